@@ -1,0 +1,112 @@
+"""Server configuration: a TOML file, then ``S2S_RT_*`` variables, then flags.
+
+Later sources override earlier ones field by field. Every field has a
+default, so an empty configuration serves.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot be used; the message says which."""
+
+
+class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    # Network
+    host: str = "127.0.0.1"
+    port: int = 8000
+    #: Largest client frame in MiB (an append may carry up to 15 MiB).
+    max_message_mib: float = 16.0
+    compression: bool = False
+    open_timeout_s: float = 10.0
+    ping_interval_s: float | None = 20.0
+    ping_timeout_s: float | None = 20.0
+
+    # The pool
+    pool_size: int = 4
+    #: Bound of each queue between a slot's stages.
+    queue_size: int = 256
+    #: How long a slot may take to drain after its session ends before it is quarantined.
+    drain_timeout_s: float = 5.0
+    #: On shutdown, how long live sessions may continue before they are closed with 1001.
+    grace_period_s: float = 10.0
+    #: Threads per stage kind (VAD, STT, LLM, TTS), shared by all slots.
+    stage_workers: int = 4
+    #: Most input audio a session may buffer before committing, in seconds.
+    max_input_buffer_s: float = 900.0
+
+    # Engines
+    stack: str = "fake"
+    #: fake stack: extra time per STT call, per LLM token, per TTS word.
+    fake_stt_delay_ms: int = 0
+    fake_llm_token_delay_ms: int = 0
+    fake_tts_delay_ms: int = 0
+
+    log_level: str = "info"
+
+    def validate(self) -> Config:
+        """Check ranges; returns self.
+
+        Raises:
+            ConfigError: a value out of range, naming the field.
+        """
+        if not 1 <= self.pool_size <= 100_000:
+            raise ConfigError(f"pool_size must be 1..100000, not {self.pool_size}")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port must be 0..65535, not {self.port}")
+        if self.stage_workers < 1 or self.queue_size < 1:
+            raise ConfigError("stage_workers and queue_size must be at least 1")
+        if self.stack not in ("fake", "default"):
+            raise ConfigError(f"stack must be 'fake' or 'default', not {self.stack!r}")
+        return self
+
+
+ENV_PREFIX = "S2S_RT_"
+
+
+def load_config(
+    path: str | Path | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Config:
+    """Merge file, environment and explicit overrides into a :class:`Config`.
+
+    Args:
+        path: a TOML file, or None.
+        environ: where ``S2S_RT_<FIELD>`` variables are read (default ``os.environ``).
+        overrides: values from flags; None values are ignored.
+
+    Raises:
+        ConfigError: unreadable file, unknown field, or a value of the wrong type.
+    """
+    merged: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                merged.update(tomllib.load(f))
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc}") from None
+    env = os.environ if environ is None else environ
+    fields = set(Config.__struct_fields__)
+    for key, value in env.items():
+        if key.startswith(ENV_PREFIX):
+            name = key[len(ENV_PREFIX) :].lower()
+            if name in fields:
+                merged[name] = value
+    for key, value in (overrides or {}).items():
+        if value is not None:
+            merged[key] = value
+    try:
+        # strict=False lets "8" from the environment become the int 8.
+        return msgspec.convert(merged, Config, strict=False).validate()
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"invalid configuration: {exc}") from None

@@ -1,0 +1,133 @@
+"""The four engine interfaces every stack implements.
+
+Every method here is a plain blocking call. The pipeline runs them in the
+shared, bounded inference executor, never on the event loop. Engines hold
+model weights and are shared by every slot of the process, so they keep no
+per-session state: what a session needs between calls (the VAD's recurrent
+state) is created by the engine and kept by the slot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+Float32Array = npt.NDArray[np.float32]
+
+#: Sample rate of the audio the pipeline feeds to VAD and STT.
+PIPELINE_RATE = 16_000
+
+#: Returns True once the work that asked for a stream is stale
+#: (cancelled, barged in, or its session ended). Streaming engines call it
+#: between pieces and stop early when it answers True. Thread-safe.
+StopCheck = Callable[[], bool]
+
+
+class VAD(Protocol):
+    """Voice activity detection over fixed-size chunks at ``PIPELINE_RATE``."""
+
+    #: Samples per chunk (512 at 16 kHz for Silero: 32 ms).
+    chunk_samples: int
+
+    def new_state(self) -> Any:
+        """Return fresh per-session state (kept by the slot, not the engine)."""
+        ...
+
+    def speech_probabilities(self, chunks: Float32Array, states: Sequence[Any]) -> Float32Array:
+        """Score one chunk for each of B sessions in one batched call.
+
+        Args:
+            chunks: shape ``(B, chunk_samples)``, float32 in [-1, 1].
+            states: B per-session states from :meth:`new_state`, updated in place.
+
+        Returns:
+            shape ``(B,)``: the probability that each chunk is speech.
+        """
+        ...
+
+
+@dataclass(slots=True)
+class Transcript:
+    text: str
+    language: str | None = None
+
+
+class STT(Protocol):
+    """Speech to text over a whole committed utterance."""
+
+    def transcribe(
+        self, audio: Float32Array, *, language: str | None = None, prompt: str | None = None
+    ) -> Transcript:
+        """Transcribe float32 mono audio at ``PIPELINE_RATE``.
+
+        ``language`` None means detect it; ``prompt`` biases the decoder.
+        """
+        ...
+
+
+@dataclass(slots=True)
+class ChatMessage:
+    role: str  # "system" | "user" | "assistant"
+    content: str
+
+
+@dataclass(slots=True)
+class LLMUsage:
+    input_tokens: int = 0
+    output_tokens: int = 0
+
+
+class LLM(Protocol):
+    """A chat model that streams its answer."""
+
+    def stream(
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        max_tokens: int,
+        temperature: float,
+        should_stop: StopCheck,
+        usage: LLMUsage,
+    ) -> Iterator[str]:
+        """Yield the answer as text pieces (detokenised, in order).
+
+        Checks ``should_stop`` between tokens and returns early when it is
+        True. Fills ``usage`` as it goes (input tokens before the first piece).
+        """
+        ...
+
+
+class TTS(Protocol):
+    """Text to speech, one clause or sentence at a time."""
+
+    #: Rate of the audio :meth:`synthesize` yields.
+    sample_rate: int
+    #: Names accepted as ``voice``; the first one is the default.
+    voices: Sequence[str]
+
+    def synthesize(
+        self, text: str, *, voice: str | None, should_stop: StopCheck
+    ) -> Iterator[Float32Array]:
+        """Yield float32 mono audio at ``sample_rate`` for ``text``.
+
+        May yield several pieces (e.g. one per sentence); checks
+        ``should_stop`` between them.
+        """
+        ...
+
+
+@dataclass(slots=True)
+class Stack:
+    """One loaded model of each kind, shared by every slot of the process."""
+
+    name: str
+    vad: VAD
+    stt: STT
+    llm: LLM
+    tts: TTS
+    #: Human-readable lines for the start-up log (model paths, providers).
+    description: list[str] = field(default_factory=list)

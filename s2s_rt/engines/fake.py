@@ -1,0 +1,156 @@
+"""The deterministic ``fake`` stack: exact, fast engines for tests and load tests.
+
+Nothing here is a model. Each engine does something a test can check
+exactly:
+
+- :class:`EnergyVAD` calls a chunk speech when its RMS level is at least 0.01.
+- :class:`ChecksumSTT` "transcribes" audio as its duration and a CRC-32 of
+  its 16-bit samples: ``heard 1230 ms crc 1a2b3c4d``.
+- :class:`EchoLLM` answers ``You said: <the last user text>.`` word by word.
+  Words in double brackets in the user's text steer it, for fault tests:
+  ``[[slow N]]`` waits N ms per token, ``[[block N]]`` blocks its thread N ms
+  per token without checking for cancellation, ``[[fail]]`` raises mid-stream.
+- :class:`ToneTTS` speaks each word as a 100 ms tone whose pitch depends on
+  the word, then 20 ms of silence, at 22.05 kHz (so resampling is exercised).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import zlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from s2s_rt.engines.base import (
+    PIPELINE_RATE,
+    ChatMessage,
+    Float32Array,
+    LLMUsage,
+    Stack,
+    StopCheck,
+    Transcript,
+)
+
+_CONTROL = re.compile(r"\[\[(slow|block|fail)(?:\s+(\d+))?\]\]")
+
+
+class EnergyVAD:
+    chunk_samples = 512
+
+    def new_state(self) -> None:
+        return None
+
+    def speech_probabilities(self, chunks: Float32Array, states: Sequence[Any]) -> Float32Array:
+        rms = np.sqrt(np.mean(np.square(chunks, dtype=np.float32), axis=1))
+        return (rms >= 0.01).astype(np.float32)
+
+
+class ChecksumSTT:
+    """Reports duration and checksum of what it was given.
+
+    Args:
+        delay_ms: extra time each call takes, for latency tests.
+    """
+
+    def __init__(self, delay_ms: int = 0) -> None:
+        self.delay_ms = delay_ms
+
+    def transcribe(
+        self, audio: Float32Array, *, language: str | None = None, prompt: str | None = None
+    ) -> Transcript:
+        if self.delay_ms:
+            time.sleep(self.delay_ms / 1000)
+        return Transcript(checksum_transcript(audio), language or "en")
+
+
+def checksum_transcript(audio: Float32Array) -> str:
+    """What :class:`ChecksumSTT` says for ``audio`` at ``PIPELINE_RATE``."""
+    pcm = np.clip(np.round(audio * 32767.0), -32768, 32767).astype("<i2")
+    ms = int(round(len(audio) * 1000 / PIPELINE_RATE, -1))
+    return f"heard {ms} ms crc {zlib.crc32(pcm.tobytes()):08x}"
+
+
+class EchoLLM:
+    """Answers with the user's last words.
+
+    Args:
+        token_delay_ms: time per token (default pace of the fake model).
+    """
+
+    def __init__(self, token_delay_ms: int = 0) -> None:
+        self.token_delay_ms = token_delay_ms
+
+    def stream(
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        max_tokens: int,
+        temperature: float,
+        should_stop: StopCheck,
+        usage: LLMUsage,
+    ) -> Iterator[str]:
+        user = next((m.content for m in reversed(messages) if m.role == "user"), "")
+        usage.input_tokens = sum(len(m.content.split()) for m in messages)
+        delay_s, block_s, fail = self.token_delay_ms / 1000, 0.0, False
+        for kind, arg in _CONTROL.findall(user):
+            if kind == "slow":
+                delay_s = int(arg or 0) / 1000
+            elif kind == "block":
+                block_s = int(arg or 0) / 1000
+            else:
+                fail = True
+        words = f"You said: {_CONTROL.sub('', user).strip()}.".split()
+        for i, word in enumerate(words[:max_tokens]):
+            if block_s:
+                time.sleep(block_s)  # a stuck engine: does not look at should_stop
+            if should_stop():
+                return
+            if delay_s:
+                time.sleep(delay_s)
+            if fail and i == 2:
+                raise RuntimeError("fake LLM failure requested by [[fail]]")
+            usage.output_tokens += 1
+            yield word if i == 0 else " " + word
+
+
+class ToneTTS:
+    sample_rate = 22_050
+    voices = ("tone", "tone-low")
+
+    def __init__(self, delay_ms: int = 0) -> None:
+        self.delay_ms = delay_ms
+
+    def synthesize(self, text: str, *, voice: str | None, should_stop: StopCheck) -> Iterator[Float32Array]:
+        if voice not in (None, *self.voices):
+            raise ValueError(f"unknown voice {voice!r}; available: {', '.join(self.voices)}")
+        scale = 0.5 if voice == "tone-low" else 1.0
+        for word in text.split():
+            if should_stop():
+                return
+            if self.delay_ms:
+                time.sleep(self.delay_ms / 1000)
+            yield word_tone(word, self.sample_rate, scale)
+
+
+def word_tone(word: str, rate: int, scale: float = 1.0) -> Float32Array:
+    """100 ms tone (pitch from the word) and 20 ms of silence."""
+    freq = (300 + (zlib.crc32(word.encode()) % 40) * 25) * scale
+    t = np.arange(int(rate * 0.1)) / rate
+    tone = 0.3 * np.sin(2 * np.pi * freq * t)
+    return np.concatenate([tone, np.zeros(int(rate * 0.02))]).astype(np.float32)
+
+
+def load_fake_stack(
+    *, stt_delay_ms: int = 0, llm_token_delay_ms: int = 0, tts_delay_ms: int = 0
+) -> Stack:
+    return Stack(
+        name="fake",
+        vad=EnergyVAD(),
+        stt=ChecksumSTT(stt_delay_ms),
+        llm=EchoLLM(llm_token_delay_ms),
+        tts=ToneTTS(tts_delay_ms),
+        description=["fake stack: energy VAD, checksum STT, echo LLM, tone TTS (for tests)"],
+    )

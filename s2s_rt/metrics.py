@@ -1,0 +1,130 @@
+"""Process metrics in the Prometheus text exposition format.
+
+A handful of counters, gauges and histograms with labels: enough for
+``/metrics`` without a client library. Updated only from the event loop
+(or with the GIL's atomic int adds), read when scraped.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Iterable
+
+Labels = tuple[tuple[str, str], ...]
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+def _fmt_labels(labels: Labels, extra: Iterable[tuple[str, str]] = ()) -> str:
+    pairs = list(labels) + list(extra)
+    if not pairs:
+        return ""
+    body = ",".join(f'{k}="{_escape(v)}"' for k, v in pairs)
+    return "{" + body + "}"
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+class Counter:
+    def __init__(self, name: str, help: str) -> None:
+        self.name, self.help = name, help
+        self.values: dict[Labels, float] = {}
+
+    def inc(self, amount: float = 1.0, **labels: str) -> None:
+        key = tuple(sorted(labels.items()))
+        self.values[key] = self.values.get(key, 0.0) + amount
+
+    def get(self, **labels: str) -> float:
+        return self.values.get(tuple(sorted(labels.items())), 0.0)
+
+    def render(self) -> list[str]:
+        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} counter"]
+        lines += [f"{self.name}{_fmt_labels(k)} {v:g}" for k, v in sorted(self.values.items())]
+        return lines
+
+
+class Gauge:
+    """A gauge whose values are read from a callback at scrape time."""
+
+    def __init__(self, name: str, help: str, read: Callable[[], dict[Labels, float]]) -> None:
+        self.name, self.help, self.read = name, help, read
+
+    def render(self) -> list[str]:
+        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} gauge"]
+        lines += [f"{self.name}{_fmt_labels(k)} {v:g}" for k, v in sorted(self.read().items())]
+        return lines
+
+
+class Histogram:
+    def __init__(self, name: str, help: str, buckets: tuple[float, ...] = LATENCY_BUCKETS) -> None:
+        self.name, self.help, self.buckets = name, help, buckets
+        self.series: dict[Labels, list[float]] = {}  # bucket counts…, sum, count
+
+    def observe(self, value: float, **labels: str) -> None:
+        key = tuple(sorted(labels.items()))
+        s = self.series.get(key)
+        if s is None:
+            s = self.series[key] = [0.0] * (len(self.buckets) + 2)
+        s[bisect.bisect_left(self.buckets, value)] += 1
+        s[-2] += value
+        s[-1] += 1
+
+    def count(self, **labels: str) -> float:
+        s = self.series.get(tuple(sorted(labels.items())))
+        return s[-1] if s else 0.0
+
+    def render(self) -> list[str]:
+        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
+        for key, s in sorted(self.series.items()):
+            cumulative = 0.0
+            for bound, n in zip(self.buckets, s, strict=False):
+                cumulative += n
+                lines.append(f"{self.name}_bucket{_fmt_labels(key, [('le', f'{bound:g}')])} {cumulative:g}")
+            lines.append(f"{self.name}_bucket{_fmt_labels(key, [('le', '+Inf')])} {s[-1]:g}")
+            lines.append(f"{self.name}_sum{_fmt_labels(key)} {s[-2]:g}")
+            lines.append(f"{self.name}_count{_fmt_labels(key)} {s[-1]:g}")
+        return lines
+
+
+class Metrics:
+    """Every metric the server exports, by name."""
+
+    def __init__(self, slot_states: Callable[[], dict[str, int]], hung_calls: Callable[[], int]) -> None:
+        self.sessions_total = Counter("s2s_sessions_total", "Sessions started.")
+        self.rejections = Counter("s2s_rejections_total", "Connections refused, by reason.")
+        self.events_in = Counter("s2s_events_in_total", "Client events received, by type.")
+        self.events_out = Counter("s2s_events_out_total", "Server events sent, by type.")
+        self.errors = Counter("s2s_errors_total", "Error events sent, by code.")
+        self.dropped_stale = Counter("s2s_stale_dropped_total", "Work dropped as stale, by stage.")
+        self.stage_restarts = Counter("s2s_stage_restarts_total", "Slot task groups restarted after a crash.")
+        self.turns = Counter("s2s_turns_total", "Responses finished, by status.")
+        self.stage_latency = Histogram("s2s_stage_seconds", "Time per engine call, by stage.")
+        self.turn_latency = Histogram(
+            "s2s_turn_first_audio_seconds", "End of user speech to first response audio sent."
+        )
+        self.loop_lag = Histogram(
+            "s2s_event_loop_lag_seconds",
+            "Lateness of a 50 ms ticker on the event loop.",
+            (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0),
+        )
+        self.sessions_active = Gauge(
+            "s2s_sessions_active", "Sessions being served.", lambda: {(): slot_states().get("active", 0)}
+        )
+        self.slots = Gauge(
+            "s2s_slots",
+            "Slots by state.",
+            lambda: {(("state", k),): float(v) for k, v in slot_states().items()},
+        )
+        self.hung = Gauge(
+            "s2s_inference_calls_overdue",
+            "Engine calls running past their deadline.",
+            lambda: {(): float(hung_calls())},
+        )
+
+    def render(self) -> str:
+        lines: list[str] = []
+        for metric in vars(self).values():
+            lines += metric.render()
+        return "\n".join(lines) + "\n"

@@ -1,0 +1,240 @@
+"""Server → client events of the Realtime API, as msgspec Structs.
+
+Events are built with their GA names; :class:`Dialect` renames them for a
+client that asked for the beta protocol (``response.audio.delta`` instead of
+``response.output_audio.delta``, ``conversation.item.created`` instead of
+``conversation.item.added``…). The choice is made once per connection.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from msgspec import Struct
+
+# --- Items and content ---------------------------------------------------
+
+
+class ContentPart(Struct, kw_only=True, omit_defaults=True):
+    type: str
+    text: str | None = None
+    transcript: str | None = None
+    audio: str | None = None
+
+
+class Item(Struct, kw_only=True, omit_defaults=True):
+    id: str
+    object: str
+    type: str
+    status: str
+    role: str | None = None
+    content: list[ContentPart] | None = None
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    output: str | None = None
+
+
+class Usage(Struct, kw_only=True):
+    total_tokens: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+    input_token_details: dict[str, int] = msgspec.field(
+        default_factory=lambda: {"text_tokens": 0, "audio_tokens": 0, "cached_tokens": 0}
+    )
+    output_token_details: dict[str, int] = msgspec.field(
+        default_factory=lambda: {"text_tokens": 0, "audio_tokens": 0}
+    )
+
+
+class Response(Struct, kw_only=True):
+    id: str
+    object: str
+    status: str
+    status_details: dict[str, Any] | None
+    output: list[Item]
+    conversation_id: str | None
+    output_modalities: list[str]
+    max_output_tokens: int | str
+    usage: Usage | None
+    metadata: dict[str, Any] | None = None
+
+
+class ErrorDetail(Struct, kw_only=True):
+    type: str
+    code: str
+    message: str
+    param: str | None
+    event_id: str | None
+
+
+# --- Events ----------------------------------------------------------------
+
+
+class ServerEvent(Struct, kw_only=True):
+    type: str
+    event_id: str
+
+
+class Error(ServerEvent):
+    error: ErrorDetail
+
+
+class SessionEvent(ServerEvent):  # session.created / session.updated
+    session: dict[str, Any]
+
+
+class ConversationCreated(ServerEvent):
+    conversation: dict[str, str]
+
+
+class SpeechStarted(ServerEvent):
+    audio_start_ms: int
+    item_id: str
+
+
+class SpeechStopped(ServerEvent):
+    audio_end_ms: int
+    item_id: str
+
+
+class BufferCommitted(ServerEvent):
+    previous_item_id: str | None
+    item_id: str
+
+
+class BufferCleared(ServerEvent):
+    pass
+
+
+class TimeoutTriggered(ServerEvent):
+    audio_start_ms: int
+    audio_end_ms: int
+    item_id: str
+
+
+class ItemEvent(ServerEvent):  # conversation.item.added|created|done
+    previous_item_id: str | None
+    item: Item
+
+
+class ItemRetrieved(ServerEvent):
+    item: Item
+
+
+class ItemTruncated(ServerEvent):
+    item_id: str
+    content_index: int
+    audio_end_ms: int
+
+
+class ItemDeleted(ServerEvent):
+    item_id: str
+
+
+class TranscriptionDelta(ServerEvent):
+    item_id: str
+    content_index: int
+    delta: str
+
+
+class TranscriptionCompleted(ServerEvent):
+    item_id: str
+    content_index: int
+    transcript: str
+    usage: dict[str, Any]
+
+
+class TranscriptionFailed(ServerEvent):
+    item_id: str
+    content_index: int
+    error: dict[str, Any]
+
+
+class ResponseEvent(ServerEvent):  # response.created / response.done
+    response: Response
+
+
+class OutputItemEvent(ServerEvent):  # response.output_item.added|done
+    response_id: str
+    output_index: int
+    item: Item
+
+
+class ContentPartEvent(ServerEvent):  # response.content_part.added|done
+    response_id: str
+    item_id: str
+    output_index: int
+    content_index: int
+    part: ContentPart
+
+
+class DeltaEvent(ServerEvent):  # audio, transcript and text deltas
+    response_id: str
+    item_id: str
+    output_index: int
+    content_index: int
+    delta: str
+
+
+class AudioDone(ServerEvent):
+    response_id: str
+    item_id: str
+    output_index: int
+    content_index: int
+
+
+class TranscriptDone(AudioDone):
+    transcript: str
+
+
+class TextDone(AudioDone):
+    text: str
+
+
+class RateLimitsUpdated(ServerEvent):
+    rate_limits: list[dict[str, Any]]
+
+
+# --- Dialects --------------------------------------------------------------
+
+_BETA_NAMES = {
+    "response.output_audio.delta": "response.audio.delta",
+    "response.output_audio.done": "response.audio.done",
+    "response.output_audio_transcript.delta": "response.audio_transcript.delta",
+    "response.output_audio_transcript.done": "response.audio_transcript.done",
+    "response.output_text.delta": "response.text.delta",
+    "response.output_text.done": "response.text.done",
+    "conversation.item.added": "conversation.item.created",
+}
+_BETA_PARTS = {"output_audio": "audio", "output_text": "text"}
+
+
+class Dialect:
+    """GA or beta naming, chosen once per connection.
+
+    Args:
+        beta: True for a client that sent ``OpenAI-Beta: realtime=v1`` or
+            offered the ``openai-beta.realtime-v1`` subprotocol.
+    """
+
+    def __init__(self, beta: bool) -> None:
+        self.beta = beta
+
+    def name(self, ga_name: str) -> str:
+        return _BETA_NAMES.get(ga_name, ga_name) if self.beta else ga_name
+
+    def part(self, ga_type: str) -> str:
+        """Content part type: ``output_audio`` in GA is ``audio`` in beta."""
+        return _BETA_PARTS.get(ga_type, ga_type) if self.beta else ga_type
+
+
+GA = Dialect(beta=False)
+BETA = Dialect(beta=True)
+
+_encoder = msgspec.json.Encoder()
+
+
+def encode_event(event: ServerEvent) -> bytes:
+    return _encoder.encode(event)

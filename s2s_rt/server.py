@@ -1,0 +1,344 @@
+"""The server: one ``websockets`` asyncio server, the pool, and HTTP on the same port.
+
+Use it from the CLI (``s2s-rt serve``) or embed it::
+
+    async with Server(Config(port=0)) as server:
+        print(server.port)
+        ...
+
+or ``await Server(config).run()`` until SIGINT/SIGTERM or :meth:`Server.close`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import time
+from http import HTTPStatus
+from typing import Any
+
+from websockets.asyncio.server import Server as WsServer
+from websockets.asyncio.server import ServerConnection, serve
+from websockets.datastructures import Headers
+from websockets.exceptions import ConnectionClosed
+from websockets.http11 import Request, Response
+
+from s2s_rt.config import Config
+from s2s_rt.engines.base import Stack
+from s2s_rt.inference import StagePool, VadBatcher
+from s2s_rt.metrics import Metrics
+from s2s_rt.pool import Pool
+from s2s_rt.protocol.errors import ProtocolError
+from s2s_rt.protocol.server_events import BETA, GA, encode_event
+from s2s_rt.protocol.session import Session
+from s2s_rt.slot import Slot, SlotState
+
+log = logging.getLogger("s2s_rt.server")
+
+REALTIME_PATHS = ("/v1/realtime", "/realtime")
+BETA_SUBPROTOCOL = "openai-beta.realtime-v1"
+
+
+def load_stack(config: Config) -> Stack:
+    """Build the engines the config names (blocking: loads models)."""
+    if config.stack == "fake":
+        from s2s_rt.engines.fake import load_fake_stack
+
+        return load_fake_stack(
+            stt_delay_ms=config.fake_stt_delay_ms,
+            llm_token_delay_ms=config.fake_llm_token_delay_ms,
+            tts_delay_ms=config.fake_tts_delay_ms,
+        )
+    raise ValueError(f"unknown stack {config.stack!r}")
+
+
+class Server:
+    """An OpenAI-Realtime-compatible speech-to-speech server.
+
+    Args:
+        config: settings; ``port=0`` picks a free port (see :attr:`port`).
+        stack: engines to use instead of loading the ones ``config.stack``
+            names (tests pass their own).
+    """
+
+    def __init__(self, config: Config | None = None, *, stack: Stack | None = None) -> None:
+        self.config = (config or Config()).validate()
+        self.stack = stack
+        self.port: int = self.config.port
+        self.closing = False
+        self.metrics = Metrics(self._slot_states, self._overdue_calls)
+        self.pool: Pool | None = None
+        self.pools: dict[str, StagePool] = {}
+        self._runner: asyncio.Task[None] | None = None
+        self._started = asyncio.Event()
+        self._stop = asyncio.Event()
+        self._changed = asyncio.Event()
+        self._ws: WsServer | None = None
+
+    # --- lifecycle ---------------------------------------------------------
+
+    async def __aenter__(self) -> Server:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        """Load engines, build the pool and start listening; returns once it listens.
+
+        Raises:
+            Exception: whatever stopped start-up (a model that will not load,
+                a port in use).
+        """
+        if self.stack is None:
+            self.stack = await asyncio.to_thread(load_stack, self.config)
+        for line in self.stack.description:
+            log.info("%s", line)
+        self._runner = asyncio.create_task(self._main(), name="s2s-rt-server")
+        started = asyncio.create_task(self._started.wait())
+        await asyncio.wait({self._runner, started}, return_when=asyncio.FIRST_COMPLETED)
+        if not self._started.is_set():
+            started.cancel()
+            await self._runner  # re-raises what went wrong
+
+    async def run(self) -> None:
+        """Serve until SIGINT/SIGTERM or :meth:`close`, then shut down gracefully."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, self._stop.set)
+            except (NotImplementedError, RuntimeError):  # not the main thread, or not Unix
+                pass
+        await self.start()
+        assert self._runner is not None
+        await self._runner
+
+    async def close(self) -> None:
+        """Stop accepting, let running turns finish (grace period), close the rest with 1001."""
+        self._stop.set()
+        if self._runner is not None:
+            await self._runner
+
+    async def _main(self) -> None:
+        cfg = self.config
+        assert self.stack is not None
+        self.pools = {
+            "vad": StagePool("vad", 1, self.metrics),
+            "stt": StagePool("stt", cfg.stage_workers, self.metrics),
+            "llm": StagePool("llm", cfg.stage_workers, self.metrics),
+            "tts": StagePool("tts", cfg.stage_workers, self.metrics),
+        }
+        batcher = VadBatcher(self.stack.vad, self.pools["vad"])
+        slots = [
+            Slot(
+                i,
+                self.stack,
+                self.pools,
+                batcher,
+                self.metrics,
+                queue_size=cfg.queue_size,
+                drain_timeout_s=cfg.drain_timeout_s,
+                max_input_buffer_s=cfg.max_input_buffer_s,
+            )
+            for i in range(cfg.pool_size)
+        ]
+        for slot in slots:
+            slot.on_change.append(self._changed.set)
+        self.pool = Pool(slots)
+        tasks: list[asyncio.Task[Any]] = []
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tasks += [tg.create_task(s.run(), name=f"slot{s.index}") for s in slots]
+                tasks.append(tg.create_task(batcher.run(), name="vad-batcher"))
+                tasks.append(tg.create_task(self._watch_loop_lag(), name="loop-lag"))
+                async with serve(
+                    self._handle,
+                    cfg.host,
+                    cfg.port,
+                    process_request=self._process_request,
+                    select_subprotocol=_select_subprotocol,
+                    max_size=int(cfg.max_message_mib * 1024 * 1024),
+                    compression="deflate" if cfg.compression else None,
+                    open_timeout=cfg.open_timeout_s,
+                    ping_interval=cfg.ping_interval_s,
+                    ping_timeout=cfg.ping_timeout_s,
+                    server_header="s2s-rt",
+                ) as ws_server:
+                    self._ws = ws_server
+                    self.port = ws_server.sockets[0].getsockname()[1]
+                    log.info(
+                        "s2s-rt listening on ws://%s:%d/v1/realtime (pool of %d, %s stack)",
+                        cfg.host,
+                        self.port,
+                        cfg.pool_size,
+                        self.stack.name,
+                    )
+                    self._started.set()
+                    await self._stop.wait()
+                    await self._drain_for_shutdown()
+                    ws_server.close()
+                    await ws_server.wait_closed()
+                for task in tasks:
+                    task.cancel()
+        finally:
+            for pool in self.pools.values():
+                pool.shutdown()
+            log.info("s2s-rt stopped")
+
+    async def _drain_for_shutdown(self) -> None:
+        """Refuse new sessions at once; give running responses the grace period."""
+        self.closing = True
+        assert self.pool is not None
+        log.info("shutting down: waiting up to %g s for running turns", self.config.grace_period_s)
+        deadline = time.monotonic() + self.config.grace_period_s
+
+        def busy() -> bool:
+            assert self.pool is not None
+            return any(
+                s.ctx is not None and s.ctx.session.response is not None for s in self.pool.slots
+            )
+
+        while busy():
+            self._changed.clear()
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                await asyncio.wait_for(self._changed.wait(), remaining)
+            except TimeoutError:
+                break
+
+    async def _watch_loop_lag(self) -> None:
+        # A ticker: how late the loop wakes it is how long something blocked the loop.
+        interval = 0.05
+        while True:
+            before = time.perf_counter()
+            await asyncio.sleep(interval)
+            self.metrics.loop_lag.observe(max(0.0, time.perf_counter() - before - interval))
+
+    # --- per connection -----------------------------------------------------
+
+    async def _handle(self, ws: ServerConnection) -> None:
+        assert self.pool is not None and self.stack is not None
+        client = _address(ws)
+        slot = None if self.closing else self.pool.claim()
+        if slot is None:
+            reason = "shutting_down" if self.closing else "session_limit_reached"
+            self.metrics.rejections.inc(reason=reason)
+            self.metrics.errors.inc(code=reason)
+            dialect = BETA if _wants_beta(ws.request) else GA
+            message = (
+                "The server is shutting down"
+                if self.closing
+                else f"All {len(self.pool.slots)} sessions are in use; try again later"
+            )
+            err = Session(dialect).error(ProtocolError(reason, message, type="server_error"))
+            try:
+                await ws.send(encode_event(err), text=True)
+                await ws.close(1013, "session limit reached" if not self.closing else "shutting down")
+            except ConnectionClosed:
+                pass
+            return
+        dialect = BETA if _wants_beta(ws.request) else GA
+        session = Session(dialect, self.stack.tts.voices)
+        self.metrics.sessions_total.inc()
+        slot.attach(ws, session, client)
+        started = time.monotonic()
+        log.info("session %s started on slot %d for %s (%s)", session.id, slot.index, client, "beta" if dialect.beta else "GA")
+        reason = "client closed"
+        try:
+            async for message in ws:
+                await slot.receive(message)
+        except ConnectionClosed:
+            reason = "connection lost"
+        except Exception:
+            reason = "internal error"
+            log.exception("slot %d: error while handling session %s", slot.index, session.id)
+            await ws.close(1011, "internal error")
+        finally:
+            if ws.close_code not in (None, 1000, 1001, 1005):
+                reason = f"closed with {ws.close_code}"
+            clean = await slot.end_session()
+            log.info(
+                "session %s ended on slot %d: %s after %.1f s, %d turns%s",
+                session.id,
+                slot.index,
+                reason,
+                time.monotonic() - started,
+                session.turns,
+                "" if clean else " (slot quarantined)",
+            )
+
+    # --- HTTP on the same port -------------------------------------------------
+
+    def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:
+        path = request.path.split("?", 1)[0].rstrip("/") or "/"
+        if path in REALTIME_PATHS:
+            if self.closing:
+                return _response(HTTPStatus.SERVICE_UNAVAILABLE, "shutting down\n")
+            return None
+        assert self.pool is not None
+        if path == "/healthz":
+            return _response(HTTPStatus.OK, "ok\n")
+        if path == "/readyz":
+            free = 0 if self.closing else self.pool.free
+            status = HTTPStatus.OK if free else HTTPStatus.SERVICE_UNAVAILABLE
+            return _response(status, f"{'ready' if free else 'not ready'}: {free} of {len(self.pool.slots)} slots free\n")
+        if path == "/v1/pool":
+            body = self.pool.describe() | {"closing": self.closing, "stack": self.stack.name if self.stack else None}
+            return _response(HTTPStatus.OK, json.dumps(body), "application/json")
+        if path == "/metrics":
+            return _response(HTTPStatus.OK, self.metrics.render(), "text/plain; version=0.0.4; charset=utf-8")
+        if path == "/":
+            return _response(HTTPStatus.OK, _INDEX, "text/html; charset=utf-8")
+        return _response(HTTPStatus.NOT_FOUND, f"not found: {path}\n")
+
+    def _slot_states(self) -> dict[str, int]:
+        return self.pool.states() if self.pool is not None else {}
+
+    def _overdue_calls(self) -> int:
+        return sum(p.in_flight for p in self.pools.values())
+
+
+def _response(status: HTTPStatus, body: str, content_type: str = "text/plain; charset=utf-8") -> Response:
+    data = body.encode()
+    headers = Headers(
+        [("Content-Type", content_type), ("Content-Length", str(len(data))), ("Cache-Control", "no-store")]
+    )
+    return Response(status.value, status.phrase, headers, data)
+
+
+def _select_subprotocol(connection: ServerConnection, subprotocols: Any) -> str | None:
+    # Answer "realtime" only when offered; a client offering none is fine too.
+    return "realtime" if "realtime" in subprotocols else None
+
+
+def _wants_beta(request: Request | None) -> bool:
+    if request is None:
+        return False
+    if "realtime=v1" in request.headers.get("OpenAI-Beta", ""):
+        return True
+    offered = ",".join(request.headers.get_all("Sec-WebSocket-Protocol"))
+    return BETA_SUBPROTOCOL in [p.strip() for p in offered.split(",")]
+
+
+def _address(ws: ServerConnection) -> str:
+    addr = ws.remote_address
+    if isinstance(addr, tuple) and len(addr) >= 2:
+        return f"{addr[0]}:{addr[1]}"
+    return str(addr)
+
+
+_INDEX = """<!doctype html>
+<html><head><meta charset="utf-8"><title>s2s-rt</title></head>
+<body><h1>s2s-rt</h1>
+<p>OpenAI-Realtime-compatible speech-to-speech server.</p>
+<ul>
+<li>WebSocket: <code>/v1/realtime</code></li>
+<li><a href="/healthz">/healthz</a>, <a href="/readyz">/readyz</a>,
+<a href="/v1/pool">/v1/pool</a>, <a href="/metrics">/metrics</a></li>
+</ul></body></html>
+"""
