@@ -118,7 +118,8 @@ def _ulaw_encode(pcm: npt.NDArray[np.int16]) -> npt.NDArray[np.uint8]:
     exponent = np.floor(np.log2(mag)).astype(np.int32) - 7
     exponent = np.clip(exponent, 0, 7)
     mantissa = (mag >> (exponent + 3)) & 0x0F
-    return (~(sign | (exponent << 4) | mantissa) & 0xFF).astype(np.uint8)
+    code: npt.NDArray[np.uint8] = (~(sign | (exponent << 4) | mantissa) & 0xFF).astype(np.uint8)
+    return code
 
 
 def _ulaw_decode_table() -> Float32Array:
@@ -138,7 +139,8 @@ def _alaw_encode(pcm: npt.NDArray[np.int16]) -> npt.NDArray[np.uint8]:
     exponent = np.where(mag >= 32, np.floor(np.log2(np.maximum(mag, 1))).astype(np.int32) - 4, 0)
     exponent = np.clip(exponent, 0, 7)
     mantissa = np.where(exponent == 0, mag >> 1, mag >> exponent) & 0x0F
-    return ((sign | (exponent << 4) | mantissa) ^ 0x55).astype(np.uint8)
+    code: npt.NDArray[np.uint8] = ((sign | (exponent << 4) | mantissa) ^ 0x55).astype(np.uint8)
+    return code
 
 
 def _alaw_decode_table() -> Float32Array:
@@ -199,11 +201,12 @@ class Resampler:
         buf = np.concatenate([self._history, samples])
         taps = self._taps
         # Output k sits at input position k*down/up; it needs inputs up to
-        # floor(pos) and the taps-1 before it.
+        # floor(pos) and the taps-1 before it. Produce every k whose newest
+        # input has arrived: floor(k*down/up) <= last, i.e. k < (last+1)*up/down.
         start = self._next
         base = self._consumed - (taps - 1)  # absolute index of buf[0]
-        last_pos = self._consumed + len(samples) - 1  # last absolute input index
-        end = (last_pos * self.up) // self.down + 1
+        last = self._consumed + len(samples) - 1  # last absolute input index
+        end = -((-(last + 1) * self.up) // self.down)
         if end <= start:
             self._roll(buf)
             return np.zeros(0, dtype=np.float32)
@@ -213,7 +216,7 @@ class Resampler:
         phase = pos % self.up
         window = idx[:, None] - np.arange(taps - 1, -1, -1)[None, :]
         frames = buf[window]
-        out = np.einsum("ij,ij->i", frames, self._filters[phase])
+        out: Float32Array = np.einsum("ij,ij->i", frames, self._filters[phase])
         self._next = end
         self._roll(buf)
         return out.astype(np.float32)
@@ -238,6 +241,6 @@ def resample(samples: Float32Array, src_rate: int, dst_rate: int) -> Float32Arra
     r = Resampler(src_rate, dst_rate)
     pad = np.zeros(r._taps, dtype=np.float32)
     out = r.process(np.concatenate([np.asarray(samples, dtype=np.float32), pad]))
-    n = int(round(len(samples) * dst_rate / src_rate))
+    n = round(len(samples) * dst_rate / src_rate)
     d = r.delay_samples
     return out[d : d + n]

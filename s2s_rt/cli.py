@@ -18,7 +18,9 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--port", type=int, help="port (default 8000; 0 picks a free one)")
     p.add_argument("--pool-size", type=int, dest="pool_size", help="concurrent sessions (slots)")
     p.add_argument("--stack", choices=["default", "fake"], help="engines: real models, or fake ones for tests")
-    p.add_argument("--drain-timeout", type=float, dest="drain_timeout_s", help="seconds before a stuck slot is quarantined")
+    p.add_argument(
+        "--drain-timeout", type=float, dest="drain_timeout_s", help="seconds before a stuck slot is quarantined"
+    )
     p.add_argument("--grace-period", type=float, dest="grace_period_s", help="seconds running turns get on shutdown")
     p.add_argument("--stage-workers", type=int, dest="stage_workers", help="threads per engine kind")
     p.add_argument("--log-level", dest="log_level", choices=["debug", "info", "warning", "error"])

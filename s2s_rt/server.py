@@ -16,6 +16,7 @@ import json
 import logging
 import signal
 import time
+from collections.abc import Sequence
 from http import HTTPStatus
 from typing import Any
 
@@ -24,6 +25,7 @@ from websockets.asyncio.server import ServerConnection, serve
 from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
+from websockets.typing import Subprotocol
 
 from s2s_rt.config import Config
 from s2s_rt.engines.base import Stack
@@ -33,7 +35,7 @@ from s2s_rt.pool import Pool
 from s2s_rt.protocol.errors import ProtocolError
 from s2s_rt.protocol.server_events import BETA, GA, encode_event
 from s2s_rt.protocol.session import Session
-from s2s_rt.slot import Slot, SlotState
+from s2s_rt.slot import Slot
 
 log = logging.getLogger("s2s_rt.server")
 
@@ -197,9 +199,7 @@ class Server:
 
         def busy() -> bool:
             assert self.pool is not None
-            return any(
-                s.ctx is not None and s.ctx.session.response is not None for s in self.pool.slots
-            )
+            return any(s.ctx is not None and s.ctx.session.response is not None for s in self.pool.slots)
 
         while busy():
             self._changed.clear()
@@ -230,12 +230,12 @@ class Server:
             self.metrics.rejections.inc(reason=reason)
             self.metrics.errors.inc(code=reason)
             dialect = BETA if _wants_beta(ws.request) else GA
-            message = (
+            text = (
                 "The server is shutting down"
                 if self.closing
                 else f"All {len(self.pool.slots)} sessions are in use; try again later"
             )
-            err = Session(dialect).error(ProtocolError(reason, message, type="server_error"))
+            err = Session(dialect).error(ProtocolError(reason, text, type="server_error"))
             try:
                 await ws.send(encode_event(err), text=True)
                 await ws.close(1013, "session limit reached" if not self.closing else "shutting down")
@@ -247,7 +247,13 @@ class Server:
         self.metrics.sessions_total.inc()
         slot.attach(ws, session, client)
         started = time.monotonic()
-        log.info("session %s started on slot %d for %s (%s)", session.id, slot.index, client, "beta" if dialect.beta else "GA")
+        log.info(
+            "session %s started on slot %d for %s (%s)",
+            session.id,
+            slot.index,
+            client,
+            "beta" if dialect.beta else "GA",
+        )
         reason = "client closed"
         try:
             async for message in ws:
@@ -286,7 +292,9 @@ class Server:
         if path == "/readyz":
             free = 0 if self.closing else self.pool.free
             status = HTTPStatus.OK if free else HTTPStatus.SERVICE_UNAVAILABLE
-            return _response(status, f"{'ready' if free else 'not ready'}: {free} of {len(self.pool.slots)} slots free\n")
+            return _response(
+                status, f"{'ready' if free else 'not ready'}: {free} of {len(self.pool.slots)} slots free\n"
+            )
         if path == "/v1/pool":
             body = self.pool.describe() | {"closing": self.closing, "stack": self.stack.name if self.stack else None}
             return _response(HTTPStatus.OK, json.dumps(body), "application/json")
@@ -311,9 +319,9 @@ def _response(status: HTTPStatus, body: str, content_type: str = "text/plain; ch
     return Response(status.value, status.phrase, headers, data)
 
 
-def _select_subprotocol(connection: ServerConnection, subprotocols: Any) -> str | None:
+def _select_subprotocol(connection: ServerConnection, subprotocols: Sequence[Subprotocol]) -> Subprotocol | None:
     # Answer "realtime" only when offered; a client offering none is fine too.
-    return "realtime" if "realtime" in subprotocols else None
+    return Subprotocol("realtime") if "realtime" in subprotocols else None
 
 
 def _wants_beta(request: Request | None) -> bool:

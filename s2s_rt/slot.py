@@ -191,7 +191,7 @@ class InputBuffer:
 
 
 def ms_to_samples(ms: float) -> int:
-    return int(round(ms * PIPELINE_RATE / 1000))
+    return round(ms * PIPELINE_RATE / 1000)
 
 
 def samples_to_ms(n: int) -> float:
@@ -413,7 +413,7 @@ class Slot:
                 continue
             self.metrics.events_out.inc(type=item.event.type)
             if item.event.type == "error":
-                log.info("slot %d: sent error %s", self.index, item.event.error.code)  # type: ignore[attr-defined]
+                log.info("slot %d: sent error %s", self.index, item.event.error.code)
 
     # --- receiving --------------------------------------------------------------
 
@@ -566,13 +566,12 @@ class Slot:
         session = ctx.session
         td = ctx.detector.settings if ctx.detector else None
         ctx.turn_item_id = new_id("item")
-        events: list[ServerEvent] = []
+        events: list[ServerEvent] = [session.speech_started(int(turn.audio_start_ms), ctx.turn_item_id)]
         if session.response is not None and td is not None and td.interrupt_response:
             # Barge-in: the answer being spoken is cancelled at once.
             events += session.cancel_response("turn_detected")
             self.generation.advance()
             self.metrics.turns.inc(status="cancelled")
-        events.append(session.speech_started(int(turn.audio_start_ms), ctx.turn_item_id))
         await self.emit(events)
 
     async def _speech_stopped(self, ctx: SessionContext, turn: SpeechStop) -> None:
@@ -794,7 +793,6 @@ class Slot:
         if speech_end is not None:
             self.metrics.turn_latency.observe(time.perf_counter() - speech_end)
         await self.emit(ctx.session.audio_events(r, chunks, job.text, ms), gen)
-
 
 
 def _voice(stack: Stack, voice: str) -> str | None:

@@ -59,9 +59,7 @@ class Transcript:
 class STT(Protocol):
     """Speech to text over a whole committed utterance."""
 
-    def transcribe(
-        self, audio: Float32Array, *, language: str | None = None, prompt: str | None = None
-    ) -> Transcript:
+    def transcribe(self, audio: Float32Array, *, language: str | None = None, prompt: str | None = None) -> Transcript:
         """Transcribe float32 mono audio at ``PIPELINE_RATE``.
 
         ``language`` None means detect it; ``prompt`` biases the decoder.
@@ -109,9 +107,7 @@ class TTS(Protocol):
     #: Names accepted as ``voice``; the first one is the default.
     voices: Sequence[str]
 
-    def synthesize(
-        self, text: str, *, voice: str | None, should_stop: StopCheck
-    ) -> Iterator[Float32Array]:
+    def synthesize(self, text: str, *, voice: str | None, should_stop: StopCheck) -> Iterator[Float32Array]:
         """Yield float32 mono audio at ``sample_rate`` for ``text``.
 
         May yield several pieces (e.g. one per sentence); checks

@@ -45,7 +45,8 @@ class EnergyVAD:
 
     def speech_probabilities(self, chunks: Float32Array, states: Sequence[Any]) -> Float32Array:
         rms = np.sqrt(np.mean(np.square(chunks, dtype=np.float32), axis=1))
-        return (rms >= 0.01).astype(np.float32)
+        speech: Float32Array = (rms >= 0.01).astype(np.float32)
+        return speech
 
 
 class ChecksumSTT:
@@ -58,9 +59,7 @@ class ChecksumSTT:
     def __init__(self, delay_ms: int = 0) -> None:
         self.delay_ms = delay_ms
 
-    def transcribe(
-        self, audio: Float32Array, *, language: str | None = None, prompt: str | None = None
-    ) -> Transcript:
+    def transcribe(self, audio: Float32Array, *, language: str | None = None, prompt: str | None = None) -> Transcript:
         if self.delay_ms:
             time.sleep(self.delay_ms / 1000)
         return Transcript(checksum_transcript(audio), language or "en")
@@ -118,7 +117,7 @@ class EchoLLM:
 
 class ToneTTS:
     sample_rate = 22_050
-    voices = ("tone", "tone-low")
+    voices: Sequence[str] = ("tone", "tone-low")
 
     def __init__(self, delay_ms: int = 0) -> None:
         self.delay_ms = delay_ms
@@ -143,9 +142,7 @@ def word_tone(word: str, rate: int, scale: float = 1.0) -> Float32Array:
     return np.concatenate([tone, np.zeros(int(rate * 0.02))]).astype(np.float32)
 
 
-def load_fake_stack(
-    *, stt_delay_ms: int = 0, llm_token_delay_ms: int = 0, tts_delay_ms: int = 0
-) -> Stack:
+def load_fake_stack(*, stt_delay_ms: int = 0, llm_token_delay_ms: int = 0, tts_delay_ms: int = 0) -> Stack:
     return Stack(
         name="fake",
         vad=EnergyVAD(),

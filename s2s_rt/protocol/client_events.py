@@ -25,14 +25,14 @@ class TurnDetectionIn(Struct, kw_only=True):
     silence_duration_ms: int | UnsetType = UNSET
     create_response: bool | UnsetType = UNSET
     interrupt_response: bool | UnsetType = UNSET
-    idle_timeout_ms: int | None | UnsetType = UNSET
+    idle_timeout_ms: int | UnsetType | None = UNSET
     eagerness: str | UnsetType = UNSET
 
 
 class TranscriptionIn(Struct, kw_only=True):
-    model: str | None | UnsetType = UNSET
-    language: str | None | UnsetType = UNSET
-    prompt: str | None | UnsetType = UNSET
+    model: str | UnsetType | None = UNSET
+    language: str | UnsetType | None = UNSET
+    prompt: str | UnsetType | None = UNSET
 
 
 class AudioFormatIn(Struct, kw_only=True):
@@ -42,8 +42,8 @@ class AudioFormatIn(Struct, kw_only=True):
 
 class AudioInputIn(Struct, kw_only=True):
     format: AudioFormatIn | str | UnsetType = UNSET
-    transcription: TranscriptionIn | None | UnsetType = UNSET
-    turn_detection: TurnDetectionIn | None | UnsetType = UNSET
+    transcription: TranscriptionIn | UnsetType | None = UNSET
+    turn_detection: TurnDetectionIn | UnsetType | None = UNSET
     noise_reduction: Any = UNSET
 
 
@@ -58,7 +58,7 @@ class AudioIn(Struct, kw_only=True):
     output: AudioOutputIn | UnsetType = UNSET
 
 
-MaxTokens = Union[int, Literal["inf"]]
+MaxTokens = int | Literal["inf"]
 
 
 class SessionIn(Struct, kw_only=True):
@@ -72,8 +72,8 @@ class SessionIn(Struct, kw_only=True):
     voice: str | UnsetType = UNSET
     input_audio_format: str | UnsetType = UNSET
     output_audio_format: str | UnsetType = UNSET
-    input_audio_transcription: TranscriptionIn | None | UnsetType = UNSET
-    turn_detection: TurnDetectionIn | None | UnsetType = UNSET
+    input_audio_transcription: TranscriptionIn | UnsetType | None = UNSET
+    turn_detection: TurnDetectionIn | UnsetType | None = UNSET
     max_response_output_tokens: MaxTokens | UnsetType = UNSET
     # GA
     output_modalities: list[str] | UnsetType = UNSET
@@ -89,7 +89,7 @@ class ContentIn(Struct, kw_only=True):
     type: str
     text: str | UnsetType = UNSET
     audio: bytes | UnsetType = UNSET
-    transcript: str | None | UnsetType = UNSET
+    transcript: str | UnsetType | None = UNSET
 
 
 class ItemIn(Struct, kw_only=True):
@@ -126,7 +126,7 @@ class ResponseIn(Struct, kw_only=True):
     audio: ResponseAudioIn | UnsetType = UNSET
     temperature: float | UnsetType = UNSET
     input: list[ItemIn] | UnsetType = UNSET
-    metadata: dict[str, Any] | None | UnsetType = UNSET
+    metadata: dict[str, Any] | UnsetType | None = UNSET
     tools: list[dict[str, Any]] | UnsetType = UNSET
     tool_choice: Any = UNSET
 
@@ -178,7 +178,7 @@ class ResponseCancel(_Event, tag="response.cancel"):
     response_id: str | None = None
 
 
-ClientEvent = Union[
+ClientEvent = Union[  # noqa: UP007 - a runtime Union msgspec can read __args__ from
     SessionUpdate,
     InputAudioBufferAppend,
     InputAudioBufferCommit,
@@ -192,7 +192,8 @@ ClientEvent = Union[
 ]
 
 CLIENT_EVENT_TYPES: frozenset[str] = frozenset(
-    str(cls.__struct_config__.tag) for cls in ClientEvent.__args__  # type: ignore[attr-defined]
+    str(cls.__struct_config__.tag)
+    for cls in ClientEvent.__args__  # type: ignore[attr-defined]
 )
 
 _decoder = msgspec.json.Decoder(ClientEvent)
@@ -216,7 +217,8 @@ def decode_client_event(data: str | bytes) -> ClientEvent:
             set when the frame carried one.
     """
     try:
-        return _decoder.decode(data)
+        event: ClientEvent = _decoder.decode(data)
+        return event
     except msgspec.DecodeError as exc:
         # The fast path failed; only now look at the frame loosely to say why.
         raise _classify(data, exc) from None
@@ -228,9 +230,7 @@ def _classify(data: str | bytes, exc: msgspec.DecodeError) -> ProtocolError:
     except msgspec.DecodeError as jexc:
         return ProtocolError("invalid_json", f"The frame is not valid JSON: {jexc}")
     if not isinstance(raw, dict):
-        return ProtocolError(
-            "invalid_event", f"A client event must be a JSON object, not {type(raw).__name__}"
-        )
+        return ProtocolError("invalid_event", f"A client event must be a JSON object, not {type(raw).__name__}")
     event_id = raw.get("event_id") if isinstance(raw.get("event_id"), str) else None
     kind = raw.get("type")
     if kind is None:

@@ -43,9 +43,7 @@ class Usage(Struct, kw_only=True):
     input_token_details: dict[str, int] = msgspec.field(
         default_factory=lambda: {"text_tokens": 0, "audio_tokens": 0, "cached_tokens": 0}
     )
-    output_token_details: dict[str, int] = msgspec.field(
-        default_factory=lambda: {"text_tokens": 0, "audio_tokens": 0}
-    )
+    output_token_details: dict[str, int] = msgspec.field(default_factory=lambda: {"text_tokens": 0, "audio_tokens": 0})
 
 
 class Response(Struct, kw_only=True):

@@ -21,9 +21,9 @@ from __future__ import annotations
 import base64
 import dataclasses
 import secrets
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from msgspec import UNSET
 
@@ -32,6 +32,9 @@ from s2s_rt.engines.base import ChatMessage
 from s2s_rt.protocol import client_events as ce
 from s2s_rt.protocol import server_events as se
 from s2s_rt.protocol.errors import ProtocolError
+
+T = TypeVar("T")
+E = TypeVar("E", bound=se.ServerEvent)
 
 #: Cap applied when a client asks for "inf" output tokens.
 MAX_OUTPUT_TOKENS_CAP = 4096
@@ -71,8 +74,8 @@ class SessionConfig:
     )
     output_modalities: list[str] = field(default_factory=lambda: ["audio"])
     voice: str = ""
-    input_format: AudioFormat = AudioFormat()
-    output_format: AudioFormat = AudioFormat()
+    input_format: AudioFormat = field(default_factory=AudioFormat)
+    output_format: AudioFormat = field(default_factory=AudioFormat)
     transcription: Transcription | None = field(default_factory=Transcription)
     turn_detection: TurnDetection | None = field(default_factory=TurnDetection)
     temperature: float = 0.8
@@ -146,7 +149,7 @@ class Session:
 
     # --- event helpers -------------------------------------------------
 
-    def _ev(self, cls: type[Any], ga_name: str, **fields: Any) -> Any:
+    def _ev(self, cls: type[E], ga_name: str, **fields: Any) -> E:
         return cls(type=self.dialect.name(ga_name), event_id=new_id("event"), **fields)
 
     def error(self, exc: ProtocolError) -> se.Error:
@@ -194,7 +197,7 @@ class Session:
         for name in ("modalities", "output_modalities"):
             mods = getattr(patch, name)
             if mods is not UNSET:
-                new["output_modalities"] = _check_modalities(mods, lambda m: fail("invalid_value", m, name))
+                new["output_modalities"] = _checked(_check_modalities, mods, fail, name)
         # Voice: beta flat field or GA audio.output.voice.
         voice = patch.voice
         if patch.audio is not UNSET and patch.audio.output is not UNSET and patch.audio.output.voice is not UNSET:
@@ -235,7 +238,7 @@ class Session:
         for name in ("max_response_output_tokens", "max_output_tokens"):
             value = getattr(patch, name)
             if value is not UNSET:
-                new["max_output_tokens"] = _check_max_tokens(value, lambda m: fail("invalid_value", m, name))
+                new["max_output_tokens"] = _checked(_check_max_tokens, value, fail, name)
         if patch.tools is not UNSET:
             new["tools"] = patch.tools
         if patch.tool_choice is not UNSET:
@@ -392,9 +395,7 @@ class Session:
         if src.type == "function_call_output":
             if src.call_id is UNSET or src.output is UNSET:
                 raise fail("A function_call_output item needs 'call_id' and 'output'", "call_id")
-            known = {
-                i.call_id for i in self.items.values() if i.type == "function_call" and i.call_id is not None
-            }
+            known = {i.call_id for i in self.items.values() if i.type == "function_call" and i.call_id is not None}
             if src.call_id not in known:
                 raise ProtocolError(
                     "unknown_call_id",
@@ -422,9 +423,7 @@ class Session:
                 name=src.name,
                 arguments=src.arguments if src.arguments is not UNSET else "{}",
             )
-        raise fail(
-            f"Unknown item type {src.type!r}; use message, function_call or function_call_output", "type"
-        )
+        raise fail(f"Unknown item type {src.type!r}; use message, function_call or function_call_output", "type")
 
     def _find(self, item_id: str, event_id: str | None, action: str) -> se.Item:
         item = self.items.get(item_id)
@@ -563,17 +562,17 @@ class Session:
         cfg = self.config
         p = params or ce.ResponseIn()
 
-        def fail(message: str, param: str) -> ProtocolError:
-            return ProtocolError("invalid_value", message, param=f"response.{param}", event_id=event_id)
+        def fail(code: str, message: str, param: str) -> ProtocolError:
+            return ProtocolError(code, message, param=f"response.{param}", event_id=event_id)
 
         conversation = p.conversation if p.conversation is not UNSET else "auto"
         if conversation not in ("auto", "none"):
-            raise fail("conversation must be 'auto' or 'none'", "conversation")
+            raise fail("invalid_value", "conversation must be 'auto' or 'none'", "conversation")
         modalities = cfg.output_modalities
         for name in ("modalities", "output_modalities"):
             mods = getattr(p, name)
             if mods is not UNSET:
-                modalities = _check_modalities(mods, lambda m: fail(m, name))
+                modalities = _checked(_check_modalities, mods, fail, name)
         voice = cfg.voice
         if p.voice is not UNSET:
             voice = self.check_voice(p.voice, event_id, "response.voice")
@@ -594,7 +593,7 @@ class Session:
         for name in ("max_output_tokens", "max_response_output_tokens"):
             value = getattr(p, name)
             if value is not UNSET:
-                max_tokens = _check_max_tokens(value, lambda m: fail(m, name))
+                max_tokens = _checked(_check_max_tokens, value, fail, name)
         temperature = cfg.temperature if p.temperature is UNSET else p.temperature
         inputs = None
         if p.input is not UNSET:
@@ -786,9 +785,7 @@ class Session:
     def _response_done(self, r: ActiveResponse, status: str, details: dict[str, Any] | None) -> se.ServerEvent:
         return self._ev(se.ResponseEvent, "response.done", response=self._render_response(r, status, details))
 
-    def _render_response(
-        self, r: ActiveResponse, status: str, details: dict[str, Any] | None = None
-    ) -> se.Response:
+    def _render_response(self, r: ActiveResponse, status: str, details: dict[str, Any] | None = None) -> se.Response:
         usage = None
         if status != "in_progress":
             usage = se.Usage(
@@ -844,9 +841,7 @@ class Session:
 
 
 #: Voice names of the hosted service; accepted and spoken with the default voice.
-OPENAI_VOICES = frozenset(
-    {"alloy", "ash", "ballad", "coral", "echo", "sage", "shimmer", "verse", "marin", "cedar"}
-)
+OPENAI_VOICES = frozenset({"alloy", "ash", "ballad", "coral", "echo", "sage", "shimmer", "verse", "marin", "cedar"})
 
 
 def heard_text(segments: list[SpokenSegment], audio_end_ms: float) -> str:
@@ -885,18 +880,25 @@ def _beta_modalities(mods: list[str]) -> list[str]:
     return ["text", "audio"] if "audio" in mods else ["text"]
 
 
-def _check_modalities(mods: list[str], fail: Any) -> list[str]:
+def _checked(check: Callable[[Any], T], value: Any, fail: Callable[[str, str, str], ProtocolError], param: str) -> T:
+    try:
+        return check(value)
+    except ValueError as exc:
+        raise fail("invalid_value", str(exc), param) from None
+
+
+def _check_modalities(mods: list[str]) -> list[str]:
     if not mods or any(m not in ("text", "audio") for m in mods):
-        raise fail(f"modalities must be ['text'], ['audio'] or ['text', 'audio'], not {mods!r}")
+        raise ValueError(f"modalities must be ['text'], ['audio'] or ['text', 'audio'], not {mods!r}")
     return ["audio"] if "audio" in mods else ["text"]
 
 
-def _check_max_tokens(value: int | str, fail: Any) -> int | str:
+def _check_max_tokens(value: int | str) -> int | str:
     if value == "inf":
         return "inf"
     if isinstance(value, int) and 1 <= value <= MAX_OUTPUT_TOKENS_CAP:
         return value
-    raise fail(f"max output tokens must be 1..{MAX_OUTPUT_TOKENS_CAP} or 'inf', not {value!r}")
+    raise ValueError(f"max output tokens must be 1..{MAX_OUTPUT_TOKENS_CAP} or 'inf', not {value!r}")
 
 
 def _merge_transcription(old: Transcription | None, new: ce.TranscriptionIn) -> Transcription:
@@ -912,7 +914,9 @@ def _merge_transcription(old: Transcription | None, new: ce.TranscriptionIn) -> 
 
 def _merge_turn(old: TurnDetection | None, new: ce.TurnDetectionIn, fail: Any) -> TurnDetection:
     if new.type not in ("server_vad", "semantic_vad"):
-        raise fail("invalid_value", f"turn_detection.type {new.type!r} is not supported; use server_vad", "turn_detection.type")
+        raise fail(
+            "invalid_value", f"turn_detection.type {new.type!r} is not supported; use server_vad", "turn_detection.type"
+        )
     t = TurnDetection() if old is None else dataclasses.replace(old)
     # semantic_vad is served by the same detector with its defaults.
     t.type = new.type

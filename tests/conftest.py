@@ -1,0 +1,127 @@
+"""Shared test helpers: a live in-process server and a raw Realtime client.
+
+Tests are plain functions that call :func:`run` on a coroutine; each starts
+its own :class:`~s2s_rt.Server` on a free loopback port, so every test talks
+to a real socket and nothing is shared between tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+import numpy as np
+from websockets.asyncio.client import ClientConnection, connect
+
+from s2s_rt import Config, Server
+
+T = TypeVar("T")
+
+
+def run(coro: Awaitable[T], timeout: float = 60.0) -> T:
+    """Run a test scenario with an overall deadline."""
+
+    async def bounded() -> T:
+        return await asyncio.wait_for(coro, timeout)
+
+    return asyncio.run(bounded())
+
+
+@asynccontextmanager
+async def live_server(**overrides: Any):  # type: ignore[no-untyped-def]
+    """A fake-stack server on a free port; overrides go to :class:`Config`."""
+    cfg = {"port": 0, "stack": "fake", "pool_size": 4, "drain_timeout_s": 2.0, "grace_period_s": 2.0} | overrides
+    async with Server(Config(**cfg)) as server:
+        yield server
+
+
+def tone(freq: float, seconds: float, rate: int = 24_000, level: float = 0.3) -> bytes:
+    t = np.arange(int(rate * seconds)) / rate
+    return (level * np.sin(2 * np.pi * freq * t) * 32767).astype("<i2").tobytes()
+
+
+def silence(seconds: float, rate: int = 24_000) -> bytes:
+    return bytes(int(rate * seconds) * 2)
+
+
+class RealtimeClient:
+    """A bare Realtime client over ``websockets`` that records every event."""
+
+    def __init__(self, ws: ClientConnection) -> None:
+        self.ws = ws
+        self.events: list[dict[str, Any]] = []
+
+    @classmethod
+    @asynccontextmanager
+    async def connect(cls, server: Server, *, beta: bool = False, path: str = "/v1/realtime", **kw: Any):  # type: ignore[no-untyped-def]
+        headers = {"OpenAI-Beta": "realtime=v1"} if beta else {}
+        async with connect(f"ws://127.0.0.1:{server.port}{path}", additional_headers=headers, **kw) as ws:
+            yield cls(ws)
+
+    async def send(self, type: str, **fields: Any) -> None:
+        await self.ws.send(json.dumps({"type": type, **fields}))
+
+    async def send_raw(self, data: str | bytes) -> None:
+        await self.ws.send(data)
+
+    async def recv(self, timeout: float = 10.0) -> dict[str, Any]:
+        event = json.loads(await asyncio.wait_for(self.ws.recv(), timeout))
+        self.events.append(event)
+        return event
+
+    async def until(self, type: str, timeout: float = 10.0) -> dict[str, Any]:
+        """Receive until an event of ``type`` arrives; returns it."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            event = await self.recv(max(0.01, deadline - loop.time()))
+            if event["type"] == type:
+                return event
+
+    async def append_audio(self, pcm: bytes, chunk_bytes: int = 960, pace_s: float = 0.0) -> None:
+        for i in range(0, len(pcm), chunk_bytes):
+            await self.send("input_audio_buffer.append", audio=base64.b64encode(pcm[i : i + chunk_bytes]).decode())
+            if pace_s:
+                await asyncio.sleep(pace_s)
+
+    async def say_text(self, text: str) -> dict[str, Any]:
+        """Add a user text item and ask for a response; returns response.done."""
+        await self.send(
+            "conversation.item.create",
+            item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]},
+        )
+        await self.send("response.create")
+        return await self.until("response.done")
+
+    def of_type(self, type: str) -> list[dict[str, Any]]:
+        return [e for e in self.events if e["type"] == type]
+
+
+async def http_get(server: Server, path: str) -> tuple[int, str]:
+    """GET on the server's port, off the loop (urllib is blocking)."""
+
+    def get() -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{server.port}{path}", timeout=5) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    return await asyncio.to_thread(get)
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 5.0) -> bool:
+    """Wait for an asynchronous condition to hold (for state the client can only poll, like HTTP)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while loop.time() < deadline:
+        if await check():
+            return True
+        await asyncio.sleep(0.02)
+    return await check()

@@ -1,0 +1,88 @@
+"""Wire audio formats and resampling keep a tone's frequency and level."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from s2s_rt.audio import AudioFormat, AudioFormatError, Resampler, resample
+from s2s_rt.engines.base import PIPELINE_RATE
+
+FORMATS = [
+    ("audio/pcm", 16_000),
+    ("audio/pcm", 24_000),
+    ("audio/pcm", 48_000),
+    ("audio/pcmu", 8_000),
+    ("audio/pcma", 8_000),
+]
+
+
+def _tone(rate: int, freq: float = 1000.0, seconds: float = 1.0, level: float = 0.5) -> np.ndarray:
+    t = np.arange(int(rate * seconds)) / rate
+    return (level * np.sin(2 * np.pi * freq * t)).astype(np.float32)
+
+
+def _peak_hz(x: np.ndarray, rate: int) -> float:
+    spectrum = np.abs(np.fft.rfft(x * np.hanning(len(x))))
+    return float(np.argmax(spectrum) * rate / len(x))
+
+
+def _rms(x: np.ndarray) -> float:
+    return float(np.sqrt(np.mean(np.square(x[200:-200]))))
+
+
+@pytest.mark.parametrize(("kind", "rate"), FORMATS)
+def test_round_trip_through_pipeline_rate_keeps_1khz_tone(kind: str, rate: int) -> None:
+    fmt = AudioFormat.parse(kind, rate)
+    wire = fmt.encode(_tone(rate))
+    inside = resample(fmt.decode(wire), rate, PIPELINE_RATE)
+    back = fmt.decode(fmt.encode(resample(inside, PIPELINE_RATE, rate)))
+    assert abs(_peak_hz(inside, PIPELINE_RATE) - 1000) <= 2
+    assert abs(_peak_hz(back, rate) - 1000) <= 2
+    expected = 0.5 / np.sqrt(2)
+    assert _rms(inside) == pytest.approx(expected, rel=0.03)
+    assert _rms(back) == pytest.approx(expected, rel=0.03)
+
+
+@pytest.mark.parametrize(("src", "dst"), [(24_000, 16_000), (16_000, 24_000), (22_050, 24_000), (48_000, 16_000)])
+def test_streaming_resampler_matches_one_shot_whatever_the_chunking(src: int, dst: int) -> None:
+    x = _tone(src, 440.0)
+    whole = Resampler(src, dst).process(x)
+    r = Resampler(src, dst)
+    pieces = np.concatenate([r.process(c) for c in np.array_split(x, 53)])
+    assert len(pieces) == len(whole)
+    assert np.max(np.abs(pieces - whole)) < 1e-4
+
+
+def test_resampled_length_follows_the_rate_ratio() -> None:
+    assert len(resample(np.zeros(24_000, np.float32), 24_000, 16_000)) == 16_000
+    assert len(resample(np.zeros(22_050, np.float32), 22_050, 24_000)) == 24_000
+
+
+def test_g711_decodes_to_the_standard_values() -> None:
+    # ITU-T G.711 reference points: μ-law 0xFF and A-law 0xD5 are (near) zero,
+    # μ-law 0x00 is the most negative value.
+    ulaw, alaw = AudioFormat.parse("g711_ulaw"), AudioFormat.parse("g711_alaw")
+    assert ulaw.decode(bytes([0xFF]))[0] == 0.0
+    assert ulaw.decode(bytes([0x00]))[0] == pytest.approx(-32124 / 32768)
+    assert abs(alaw.decode(bytes([0xD5]))[0]) < 0.001
+    assert alaw.decode(bytes([0x2A]))[0] == pytest.approx(-32256 / 32768)
+
+
+def test_pcm16_with_odd_byte_count_is_refused() -> None:
+    with pytest.raises(AudioFormatError, match="even number of bytes"):
+        AudioFormat.parse("audio/pcm", 24_000).decode(b"\x00\x01\x02")
+
+
+@pytest.mark.parametrize(
+    ("kind", "rate"), [("audio/pcm", 44_100), ("audio/pcmu", 16_000), ("audio/opus", None), ("mp3", None)]
+)
+def test_unsupported_formats_are_refused_with_the_alternatives(kind: str, rate: int | None) -> None:
+    with pytest.raises(AudioFormatError):
+        AudioFormat.parse(kind, rate)
+
+
+def test_beta_format_names_map_to_ga_formats() -> None:
+    assert AudioFormat.parse("pcm16") == AudioFormat("audio/pcm", 24_000)
+    assert AudioFormat.parse("g711_ulaw").beta_name == "g711_ulaw"
+    assert AudioFormat.parse("g711_alaw").type == "audio/pcma"

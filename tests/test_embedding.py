@@ -1,0 +1,93 @@
+"""Embedding, configuration and the CLI."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from conftest import RealtimeClient, run
+
+from s2s_rt import Config, Server, load_config
+from s2s_rt.config import ConfigError
+
+
+def test_async_with_server_on_port_zero_serves_and_closes() -> None:
+    async def scenario() -> None:
+        async with Server(Config(port=0, stack="fake", pool_size=1)) as server:
+            assert server.port != 0
+            async with RealtimeClient.connect(server) as c:
+                done = await c.say_text("embedded")
+                assert done["response"]["status"] == "completed"
+        # Closed: the port no longer accepts.
+        with pytest.raises(OSError):
+            urllib.request.urlopen(f"http://127.0.0.1:{server.port}/healthz", timeout=1)
+
+    run(scenario())
+
+
+def test_close_sends_1001_to_live_sessions_after_grace() -> None:
+    async def scenario() -> None:
+        server = Server(Config(port=0, stack="fake", pool_size=1, grace_period_s=0.5))
+        await server.start()
+        async with RealtimeClient.connect(server) as c:
+            await c.until("session.created")
+            await server.close()
+            try:
+                while True:
+                    await c.recv(timeout=3)
+            except Exception:
+                pass
+            assert c.ws.close_code == 1001
+
+    run(scenario())
+
+
+def test_flags_override_environment_which_overrides_file(tmp_path: Path) -> None:
+    f = tmp_path / "s2s.toml"
+    f.write_text('pool_size = 3\nport = 9000\nhost = "0.0.0.0"\n')
+    cfg = load_config(
+        f, environ={"S2S_RT_POOL_SIZE": "5", "S2S_RT_PORT": "9100"}, overrides={"port": 9200, "host": None}
+    )
+    assert (cfg.pool_size, cfg.port, cfg.host) == (5, 9200, "0.0.0.0")
+
+
+def test_bad_config_names_the_problem(tmp_path: Path) -> None:
+    f = tmp_path / "s2s.toml"
+    f.write_text("pool_sise = 3\n")
+    with pytest.raises(ConfigError, match="pool_sise"):
+        load_config(f, environ={})
+    with pytest.raises(ConfigError, match="pool_size"):
+        load_config(None, environ={"S2S_RT_POOL_SIZE": "many"})
+
+
+def test_cli_serve_fake_stack_starts_answers_and_exits_cleanly_on_sigterm(tmp_path: Path) -> None:
+    env = dict(os.environ, S2S_RT_POOL_SIZE="2")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "s2s_rt", "serve", "--stack", "fake", "--port", "0", "--log-level", "info"],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        port = None
+        deadline = time.monotonic() + 20
+        assert proc.stderr is not None
+        while time.monotonic() < deadline and port is None:
+            line = proc.stderr.readline()
+            if "listening on ws://" in line:
+                port = int(line.split("ws://", 1)[1].split("/", 1)[0].rsplit(":", 1)[1])
+        assert port, "server did not report its port"
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5) as r:
+            assert r.status == 200 and b"2 of 2" in r.read()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,124 @@
+"""The slot pool as clients see it: claims, rejection, readiness, quarantine."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from conftest import RealtimeClient, eventually, http_get, live_server, run
+from websockets.exceptions import ConnectionClosed
+
+
+def test_pool_full_rejects_with_session_limit_reached_and_1013() -> None:
+    async def scenario() -> None:
+        async with live_server(pool_size=2) as server:
+            async with RealtimeClient.connect(server) as a, RealtimeClient.connect(server) as b:
+                await a.until("session.created")
+                await b.until("session.created")
+                async with RealtimeClient.connect(server) as c:
+                    err = await c.recv()
+                    assert err["type"] == "error"
+                    assert err["error"]["code"] == "session_limit_reached"
+                    try:
+                        await c.recv()
+                        raise AssertionError("the rejected socket should close")
+                    except ConnectionClosed:
+                        pass
+                    assert c.ws.close_code == 1013
+
+    run(scenario())
+
+
+def test_freed_slot_is_claimable_within_a_second() -> None:
+    async def scenario() -> None:
+        async with live_server(pool_size=1) as server:
+            async with RealtimeClient.connect(server) as a:
+                await a.until("session.created")
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            while True:
+                async with RealtimeClient.connect(server) as b:
+                    first = await b.recv()
+                    if first["type"] == "session.created":
+                        break
+                assert loop.time() - t0 < 1.0, "slot not free within a second"
+            assert loop.time() - t0 < 1.0
+
+    run(scenario())
+
+
+def test_readyz_flips_to_503_when_full_and_back() -> None:
+    async def scenario() -> None:
+        async with live_server(pool_size=1) as server:
+            assert (await http_get(server, "/readyz"))[0] == 200
+            async with RealtimeClient.connect(server) as a:
+                await a.until("session.created")
+                assert (await http_get(server, "/readyz"))[0] == 503
+
+            async def ready() -> bool:
+                return (await http_get(server, "/readyz"))[0] == 200
+
+            assert await eventually(ready, 2.0)
+
+    run(scenario())
+
+
+def test_stuck_stage_past_drain_deadline_quarantines_slot_and_others_keep_serving() -> None:
+    async def scenario() -> None:
+        async with live_server(pool_size=2, drain_timeout_s=0.3) as server:
+            async with RealtimeClient.connect(server) as a:
+                await a.until("session.created")
+                # This engine call blocks its thread for 2 s and ignores cancellation.
+                await a.send(
+                    "conversation.item.create",
+                    item={
+                        "type": "message",
+                        "role": "user",
+                        "content": [{"type": "input_text", "text": "[[block 2000]] hi"}],
+                    },
+                )
+                await a.send("response.create")
+                await a.until("response.created")
+
+            async def quarantined() -> bool:
+                _status, body = await http_get(server, "/v1/pool")
+                return any(s["state"] == "quarantined" for s in json.loads(body)["slots"])
+
+            assert await eventually(quarantined, 3.0)
+            _status, body = await http_get(server, "/v1/pool")
+            pool = json.loads(body)
+            assert pool["states"]["quarantined"] == 1
+            assert "drain" in next(s for s in pool["slots"] if s["state"] == "quarantined")["quarantine_reason"]
+            metrics = (await http_get(server, "/metrics"))[1]
+            assert 's2s_slots{state="quarantined"} 1' in metrics
+            # The other slot still serves, and the quarantined one is never handed out.
+            for _ in range(3):
+                async with RealtimeClient.connect(server) as b:
+                    await b.until("session.created")
+                    done = await b.say_text("still there")
+                    assert done["response"]["status"] == "completed"
+            async with RealtimeClient.connect(server) as b, RealtimeClient.connect(server) as c:
+                await b.until("session.created")
+                assert (await c.recv())["error"]["code"] == "session_limit_reached"
+
+    run(scenario())
+
+
+def test_http_endpoints_and_404() -> None:
+    async def scenario() -> None:
+        async with live_server(pool_size=3) as server:
+            assert await http_get(server, "/healthz") == (200, "ok\n")
+            status, body = await http_get(server, "/v1/pool")
+            pool = json.loads(body)
+            assert status == 200 and pool["size"] == 3 and pool["states"]["idle"] == 3
+            async with RealtimeClient.connect(server) as a:
+                await a.say_text("count me")
+                metrics = (await http_get(server, "/metrics"))[1]
+                assert "s2s_sessions_active 1" in metrics
+                assert 's2s_events_in_total{type="response.create"} 1' in metrics
+                assert 's2s_events_out_total{type="response.done"} 1' in metrics
+                assert "s2s_stage_seconds_bucket" in metrics
+            assert (await http_get(server, "/nope"))[0] == 404
+            assert (await http_get(server, "/v1/realtime/extra"))[0] == 404
+
+    run(scenario())

@@ -1,0 +1,48 @@
+"""Turn detection cuts turns at exactly the configured padding and silence."""
+
+from __future__ import annotations
+
+from s2s_rt.protocol.session import TurnDetection
+from s2s_rt.turn import SpeechStart, SpeechStop, TurnDetector
+
+CHUNK_MS = 32.0
+
+
+def _feed(detector: TurnDetector, probs: list[float]) -> list[tuple[int, object]]:
+    out = []
+    for i, p in enumerate(probs):
+        ev = detector.feed(p, i * CHUNK_MS, (i + 1) * CHUNK_MS)
+        if ev is not None:
+            out.append((i, ev))
+    return out
+
+
+def test_speech_start_includes_prefix_padding() -> None:
+    d = TurnDetector(TurnDetection(prefix_padding_ms=300))
+    events = _feed(d, [0.0] * 20 + [0.9])
+    assert events == [(20, SpeechStart(20 * CHUNK_MS - 300))]
+
+
+def test_speech_stops_after_exactly_the_silence_duration() -> None:
+    d = TurnDetector(TurnDetection(silence_duration_ms=500))
+    probs = [0.9] * 10 + [0.0] * 30
+    events = _feed(d, probs)
+    assert isinstance(events[1][1], SpeechStop)
+    # Last voiced chunk ends at 320 ms; the turn ends 500 ms later, not at a chunk edge.
+    assert events[1][1].audio_end_ms == 320 + 500
+    # It is reported on the first chunk that reaches that time.
+    assert (events[1][0] + 1) * CHUNK_MS >= 820 > events[1][0] * CHUNK_MS
+
+
+def test_short_pause_does_not_end_the_turn() -> None:
+    d = TurnDetector(TurnDetection(silence_duration_ms=500))
+    events = _feed(d, [0.9] * 5 + [0.0] * 10 + [0.9] * 5 + [0.0] * 20)
+    assert [type(e) for _, e in events] == [SpeechStart, SpeechStop]
+
+
+def test_threshold_is_honoured_and_changes_apply_at_once() -> None:
+    settings = TurnDetection(threshold=0.8)
+    d = TurnDetector(settings)
+    assert _feed(d, [0.7] * 5) == []
+    settings.threshold = 0.6
+    assert len(_feed(d, [0.7])) == 1

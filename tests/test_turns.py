@@ -1,0 +1,291 @@
+"""Turns as a client drives them: server VAD, manual commit, cancel, barge-in, truncate."""
+
+from __future__ import annotations
+
+import asyncio
+
+from conftest import RealtimeClient, live_server, run, silence, tone
+
+
+def test_server_vad_turn_produces_the_full_event_sequence_in_order() -> None:
+    async def scenario() -> None:
+        async with live_server() as server:
+            async with RealtimeClient.connect(server) as c:
+                await c.until("session.created")
+                await c.append_audio(silence(0.5) + tone(440, 1.0) + silence(0.8))
+                await c.until("response.done")
+                types = [e["type"] for e in c.events]
+                order = [
+                    "input_audio_buffer.speech_started",
+                    "input_audio_buffer.speech_stopped",
+                    "input_audio_buffer.committed",
+                    "conversation.item.input_audio_transcription.completed",
+                    "response.created",
+                    "response.output_item.added",
+                    "response.content_part.added",
+                    "response.output_audio.delta",
+                    "response.output_audio_transcript.delta",
+                    "response.output_audio.done",
+                    "response.output_audio_transcript.done",
+                    "response.content_part.done",
+                    "response.output_item.done",
+                    "response.done",
+                ]
+                positions = [types.index(t) for t in order]
+                assert positions == sorted(positions)
+                started = c.of_type("input_audio_buffer.speech_started")[0]
+                stopped = c.of_type("input_audio_buffer.speech_stopped")[0]
+                # 500 ms of silence then speech: start is 500 ms minus 300 ms padding (to a 32 ms chunk).
+                assert 150 <= started["audio_start_ms"] <= 232
+                # Speech ends at 1500 ms; the turn ends 500 ms of silence later.
+                assert 1950 <= stopped["audio_end_ms"] <= 2050
+                heard = c.of_type("conversation.item.input_audio_transcription.completed")[0]
+                # Committed audio: from start-with-padding to end-with-silence.
+                ms = int(heard["transcript"].split()[1])
+                assert abs(ms - (stopped["audio_end_ms"] - started["audio_start_ms"])) <= 40
+                assert heard["usage"]["type"] == "duration"
+
+    run(scenario())
+
+
+def test_manual_commit_when_turn_detection_is_null() -> None:
+    async def scenario() -> None:
+        async with live_server() as server:
+            async with RealtimeClient.connect(server) as c:
+                await c.send(
+                    "session.update", session={"type": "realtime", "audio": {"input": {"turn_detection": None}}}
+                )
+                await c.until("session.updated")
+                await c.append_audio(tone(500, 0.5) + silence(1.0))
+                await c.send("input_audio_buffer.commit")
+                committed = await c.until("input_audio_buffer.committed")
+                heard = await c.until("conversation.item.input_audio_transcription.completed")
+                assert heard["item_id"] == committed["item_id"]
+                assert heard["transcript"].startswith("heard 1500 ms")
+                assert not c.of_type("input_audio_buffer.speech_started")
+                await c.send("response.create")
+                done = await c.until("response.done")
+                assert done["response"]["output"][0]["content"][0]["transcript"] == f"You said: {heard['transcript']}."
+
+    run(scenario())
+
+
+def test_clear_empties_the_buffer() -> None:
+    async def scenario() -> None:
+        async with live_server() as server:
+            async with RealtimeClient.connect(server) as c:
+                await c.send("session.update", session={"turn_detection": None})
+                await c.append_audio(tone(500, 0.5))
+                await c.send("input_audio_buffer.clear")
+                await c.until("input_audio_buffer.cleared")
+                await c.send("input_audio_buffer.commit")
+                err = await c.until("error")
+                assert err["error"]["code"] == "input_audio_buffer_commit_empty"
+
+    run(scenario())
+
+
+def test_response_cancel_ends_with_cancelled_client_cancelled_and_no_more_output() -> None:
+    async def scenario() -> None:
+        async with live_server() as server:
+            async with RealtimeClient.connect(server) as c:
+                await c.send(
+                    "conversation.item.create",
+                    item={
+                        "type": "message",
+                        "role": "user",
+                        "content": [
+                            {
+                                "type": "input_text",
+                                "text": "[[slow 80]] a long answer. with many words. in it. and more words. to come.",
+                            }
+                        ],
+                    },
+                )
+                await c.send("response.create")
+                created = await c.until("response.output_audio.delta")
+                await c.send("response.cancel", event_id="cancel_1")
+                done = await c.until("response.done")
+                assert done["response"]["status"] == "cancelled"
+                assert done["response"]["status_details"] == {"type": "cancelled", "reason": "client_cancelled"}
+                try:
+                    while True:
+                        late = await c.recv(timeout=1.0)
+                        assert late.get("response_id") != created["response_id"], late["type"]
+                except TimeoutError:
+                    pass
+                # The session goes on: a new response works.
+                again = await c.say_text("after cancel")
+                assert again["response"]["status"] == "completed"
+
+    run(scenario())
+
+
+def test_barge_in_cancels_with_turn_detected_and_truncate_trims_transcript() -> None:
+    async def scenario() -> None:
+        async with live_server() as server:
+            async with RealtimeClient.connect(server) as c:
+                await c.send(
+                    "conversation.item.create",
+                    item={
+                        "type": "message",
+                        "role": "user",
+                        "content": [
+                            {
+                                "type": "input_text",
+                                "text": "[[slow 60]] one two three four. five six seven eight. nine ten eleven twelve.",
+                            }
+                        ],
+                    },
+                )
+                await c.send("response.create")
+                first = await c.until("response.output_audio_transcript.delta")
+                item_id = first["item_id"]
+                # The user talks over the answer.
+                await c.append_audio(tone(440, 0.5))
+                done = await c.until("response.done")
+                assert done["response"]["status"] == "cancelled"
+                assert done["response"]["status_details"]["reason"] == "turn_detected"
+                assert c.of_type("input_audio_buffer.speech_started")
+                # The client heard only the first 400 ms of the answer (six words take 720 ms).
+                await c.send("conversation.item.truncate", item_id=item_id, content_index=0, audio_end_ms=400)
+                truncated = await c.until("conversation.item.truncated")
+                assert truncated["audio_end_ms"] == 400
+                await c.send("conversation.item.retrieve", item_id=item_id)
+                item = (await c.until("conversation.item.retrieved"))["item"]
+                heard = item["content"][0]["transcript"]
+                assert heard and len(heard.split()) < len(first["delta"].split())
+                assert first["delta"].startswith(heard)
+
+    run(scenario())
+
+
+def test_interrupt_response_false_lets_the_answer_finish() -> None:
+    async def scenario() -> None:
+        async with live_server() as server:
+            async with RealtimeClient.connect(server) as c:
+                await c.send(
+                    "session.update",
+                    session={
+                        "turn_detection": {"type": "server_vad", "interrupt_response": False, "create_response": False}
+                    },
+                )
+                await c.send(
+                    "conversation.item.create",
+                    item={
+                        "type": "message",
+                        "role": "user",
+                        "content": [{"type": "input_text", "text": "[[slow 30]] keep talking please"}],
+                    },
+                )
+                await c.send("response.create")
+                await c.until("response.output_audio.delta")
+                await c.append_audio(tone(440, 0.3))
+                done = await c.until("response.done")
+                assert done["response"]["status"] == "completed"
+
+    run(scenario())
+
+
+def test_idle_timeout_triggers_a_response_after_silence() -> None:
+    async def scenario() -> None:
+        async with live_server() as server:
+            async with RealtimeClient.connect(server) as c:
+                await c.send(
+                    "session.update", session={"turn_detection": {"type": "server_vad", "idle_timeout_ms": 1000}}
+                )
+                await c.append_audio(silence(1.5))
+                trig = await c.until("input_audio_buffer.timeout_triggered")
+                assert trig["audio_end_ms"] >= 1000
+                done = await c.until("response.done")
+                assert done["response"]["status"] == "completed"
+
+    run(scenario())
+
+
+def test_ga_and_beta_clients_get_their_own_event_names() -> None:
+    async def scenario() -> None:
+        async with live_server() as server:
+            async with RealtimeClient.connect(server) as ga, RealtimeClient.connect(server, beta=True) as beta:
+                await asyncio.gather(ga.say_text("hi"), beta.say_text("hi"))
+                ga_types = {e["type"] for e in ga.events}
+                beta_types = {e["type"] for e in beta.events}
+                assert {
+                    "response.output_audio.delta",
+                    "response.output_audio_transcript.delta",
+                    "conversation.item.added",
+                } <= ga_types
+                assert {
+                    "response.audio.delta",
+                    "response.audio_transcript.delta",
+                    "conversation.item.created",
+                } <= beta_types
+                assert not any(t.startswith("response.output_audio") for t in beta_types)
+                assert "audio" in ga.of_type("session.created")[0]["session"]
+                assert "input_audio_format" in beta.of_type("session.created")[0]["session"]
+                part = beta.of_type("response.content_part.added")[0]["part"]["type"]
+                assert part == "audio"
+
+    run(scenario())
+
+
+def test_beta_subprotocol_selects_beta_and_realtime_is_answered_only_when_offered() -> None:
+    async def scenario() -> None:
+        async with live_server() as server:
+            async with RealtimeClient.connect(server, subprotocols=["realtime", "openai-beta.realtime-v1"]) as c:
+                assert c.ws.subprotocol == "realtime"
+                await c.say_text("x")
+                assert c.of_type("response.audio.delta")
+            async with RealtimeClient.connect(server) as plain:
+                assert plain.ws.subprotocol is None
+                await plain.until("session.created")
+
+    run(scenario())
+
+
+def test_text_only_response_and_per_response_overrides() -> None:
+    async def scenario() -> None:
+        async with live_server() as server:
+            async with RealtimeClient.connect(server) as c:
+                await c.send(
+                    "conversation.item.create",
+                    item={
+                        "type": "message",
+                        "role": "user",
+                        "content": [{"type": "input_text", "text": "alpha beta gamma delta"}],
+                    },
+                )
+                await c.send(
+                    "response.create",
+                    response={
+                        "output_modalities": ["text"],
+                        "max_output_tokens": 3,
+                        "conversation": "none",
+                        "metadata": {"k": "v"},
+                    },
+                )
+                done = await c.until("response.done")
+                assert done["response"]["output"][0]["content"][0]["text"] == "You said: alpha"
+                assert done["response"]["metadata"] == {"k": "v"}
+                assert done["response"]["conversation_id"] is None
+                assert not c.of_type("response.output_audio.delta")
+                assert done["response"]["usage"]["output_tokens"] == 3
+
+    run(scenario())
+
+
+def test_g711_output_format_sends_8khz_bytes() -> None:
+    async def scenario() -> None:
+        import base64
+
+        async with live_server() as server:
+            async with RealtimeClient.connect(server, beta=True) as c:
+                await c.send(
+                    "session.update", session={"output_audio_format": "g711_ulaw", "input_audio_format": "g711_ulaw"}
+                )
+                await c.say_text("one two")
+                audio = b"".join(base64.b64decode(e["delta"]) for e in c.of_type("response.audio.delta"))
+                # "You said: one two." is four words of 120 ms each, at 8000 one-byte samples per second.
+                assert abs(len(audio) - 4 * 0.12 * 8000) < 50
+
+    run(scenario())
