@@ -23,6 +23,15 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     p.add_argument("--grace-period", type=float, dest="grace_period_s", help="seconds running turns get on shutdown")
     p.add_argument("--stage-workers", type=int, dest="stage_workers", help="threads per engine kind")
+    p.add_argument(
+        "--api-key",
+        dest="api_keys",
+        action="append",
+        help="require this key (Bearer header or browser subprotocol); repeatable; env S2S_RT_API_KEYS=k1,k2",
+    )
+    p.add_argument(
+        "--allowed-origin", dest="allowed_origins", action="append", help="allow browsers from this Origin; repeatable"
+    )
     p.add_argument("--log-level", dest="log_level", choices=["debug", "info", "warning", "error"])
 
 

@@ -50,6 +50,13 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     fake_llm_token_delay_ms: int = 0
     fake_tts_delay_ms: int = 0
 
+    # Access
+    #: When non-empty, the handshake needs ``Authorization: Bearer KEY`` or the
+    #: ``openai-insecure-api-key.KEY`` subprotocol with one of these keys.
+    api_keys: list[str] = []
+    #: When non-empty, browsers (which send ``Origin``) must come from one of these.
+    allowed_origins: list[str] = []
+
     log_level: str = "info"
 
     def validate(self) -> Config:
@@ -101,7 +108,9 @@ def load_config(
         if key.startswith(ENV_PREFIX):
             name = key[len(ENV_PREFIX) :].lower()
             if name in fields:
-                merged[name] = value
+                # Lists come from the environment comma-separated.
+                is_list = str(Config.__annotations__.get(name, "")).startswith("list")
+                merged[name] = [v.strip() for v in value.split(",") if v.strip()] if is_list else value
     for key, value in (overrides or {}).items():
         if value is not None:
             merged[key] = value

@@ -12,6 +12,8 @@ or ``await Server(config).run()`` until SIGINT/SIGTERM or :meth:`Server.close`.
 from __future__ import annotations
 
 import asyncio
+import hmac
+import ipaddress
 import json
 import logging
 import signal
@@ -41,6 +43,7 @@ log = logging.getLogger("s2s_rt.server")
 
 REALTIME_PATHS = ("/v1/realtime", "/realtime")
 BETA_SUBPROTOCOL = "openai-beta.realtime-v1"
+KEY_SUBPROTOCOL = "openai-insecure-api-key."
 
 
 def load_stack(config: Config) -> Stack:
@@ -70,6 +73,7 @@ class Server:
         self.stack = stack
         self.port: int = self.config.port
         self.closing = False
+        self.draining = False
         self.metrics = Metrics(self._slot_states, self._overdue_calls)
         self.pool: Pool | None = None
         self.pools: dict[str, StagePool] = {}
@@ -109,9 +113,10 @@ class Server:
     async def run(self) -> None:
         """Serve until SIGINT/SIGTERM or :meth:`close`, then shut down gracefully."""
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        handlers = {signal.SIGINT: self._stop.set, signal.SIGTERM: self._stop.set, signal.SIGUSR1: self.drain}
+        for sig, handler in handlers.items():
             try:
-                loop.add_signal_handler(sig, self._stop.set)
+                loop.add_signal_handler(sig, handler)
             except (NotImplementedError, RuntimeError):  # not the main thread, or not Unix
                 pass
         await self.start()
@@ -224,7 +229,7 @@ class Server:
     async def _handle(self, ws: ServerConnection) -> None:
         assert self.pool is not None and self.stack is not None
         client = _address(ws)
-        slot = None if self.closing else self.pool.claim()
+        slot = None if self.closing or self.draining else self.pool.claim()
         if slot is None:
             reason = "shutting_down" if self.closing else "session_limit_reached"
             self.metrics.rejections.inc(reason=reason)
@@ -283,14 +288,29 @@ class Server:
     def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:
         path = request.path.split("?", 1)[0].rstrip("/") or "/"
         if path in REALTIME_PATHS:
-            if self.closing:
-                return _response(HTTPStatus.SERVICE_UNAVAILABLE, "shutting down\n")
+            if self.closing or self.draining:
+                self.metrics.rejections.inc(reason="draining")
+                return _response(HTTPStatus.SERVICE_UNAVAILABLE, "draining: no new sessions\n")
+            if not self._authorized(request):
+                self.metrics.rejections.inc(reason="unauthorized")
+                response = _response(HTTPStatus.UNAUTHORIZED, "missing or wrong API key\n")
+                response.headers["WWW-Authenticate"] = 'Bearer realm="s2s-rt"'
+                return response
+            origin = request.headers.get("Origin")
+            if self.config.allowed_origins and origin is not None and origin not in self.config.allowed_origins:
+                self.metrics.rejections.inc(reason="origin")
+                return _response(HTTPStatus.FORBIDDEN, f"origin {origin} is not allowed\n")
             return None
         assert self.pool is not None
+        if path == "/drain":
+            if not _is_loopback(connection):
+                return _response(HTTPStatus.FORBIDDEN, "drain is only allowed from this host\n")
+            self.drain()
+            return _response(HTTPStatus.OK, f"draining: {self.pool.busy()} sessions still running\n")
         if path == "/healthz":
             return _response(HTTPStatus.OK, "ok\n")
         if path == "/readyz":
-            free = 0 if self.closing else self.pool.free
+            free = 0 if self.closing or self.draining else self.pool.free
             status = HTTPStatus.OK if free else HTTPStatus.SERVICE_UNAVAILABLE
             return _response(
                 status, f"{'ready' if free else 'not ready'}: {free} of {len(self.pool.slots)} slots free\n"
@@ -303,6 +323,32 @@ class Server:
         if path == "/":
             return _response(HTTPStatus.OK, _INDEX, "text/html; charset=utf-8")
         return _response(HTTPStatus.NOT_FOUND, f"not found: {path}\n")
+
+    def _authorized(self, request: Request) -> bool:
+        keys = self.config.api_keys
+        if not keys:
+            return True
+        offered: list[str] = []
+        auth = request.headers.get("Authorization", "")
+        if auth[:7].lower() == "bearer ":
+            offered.append(auth[7:].strip())
+        for header in request.headers.get_all("Sec-WebSocket-Protocol"):
+            for proto in header.split(","):
+                proto = proto.strip()
+                if proto.startswith(KEY_SUBPROTOCOL):
+                    offered.append(proto[len(KEY_SUBPROTOCOL) :])
+        # Compare every offered key with every configured one, in constant time.
+        ok = False
+        for candidate in offered:
+            for key in keys:
+                ok |= hmac.compare_digest(candidate.encode(), key.encode())
+        return ok
+
+    def drain(self) -> None:
+        """Stop taking new sessions (``/readyz`` 503); running sessions carry on."""
+        if not self.draining:
+            self.draining = True
+            log.info("draining: no new sessions; %d running", self.pool.busy() if self.pool else 0)
 
     def _slot_states(self) -> dict[str, int]:
         return self.pool.states() if self.pool is not None else {}
@@ -331,6 +377,15 @@ def _wants_beta(request: Request | None) -> bool:
         return True
     offered = ",".join(request.headers.get_all("Sec-WebSocket-Protocol"))
     return BETA_SUBPROTOCOL in [p.strip() for p in offered.split(",")]
+
+
+def _is_loopback(connection: ServerConnection) -> bool:
+    addr = connection.remote_address
+    host = addr[0] if isinstance(addr, tuple) else str(addr)
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _address(ws: ServerConnection) -> str:

@@ -61,6 +61,7 @@ class RealtimeClient:
     @asynccontextmanager
     async def connect(cls, server: Server, *, beta: bool = False, path: str = "/v1/realtime", **kw: Any):  # type: ignore[no-untyped-def]
         headers = {"OpenAI-Beta": "realtime=v1"} if beta else {}
+        headers |= kw.pop("additional_headers", {})
         async with connect(f"ws://127.0.0.1:{server.port}{path}", additional_headers=headers, **kw) as ws:
             yield cls(ws)
 
