@@ -20,6 +20,7 @@ import signal
 import time
 from collections.abc import Sequence
 from http import HTTPStatus
+from pathlib import Path
 from typing import Any
 
 from websockets.asyncio.server import Server as WsServer
@@ -321,7 +322,9 @@ class Server:
         if path == "/metrics":
             return _response(HTTPStatus.OK, self.metrics.render(), "text/plain; version=0.0.4; charset=utf-8")
         if path == "/":
-            return _response(HTTPStatus.OK, _INDEX, "text/html; charset=utf-8")
+            return _static("index.html")
+        if path.startswith("/static/"):
+            return _static(path[len("/static/") :])
         return _response(HTTPStatus.NOT_FOUND, f"not found: {path}\n")
 
     def _authorized(self, request: Request) -> bool:
@@ -395,13 +398,29 @@ def _address(ws: ServerConnection) -> str:
     return str(addr)
 
 
-_INDEX = """<!doctype html>
-<html><head><meta charset="utf-8"><title>s2s-rt</title></head>
-<body><h1>s2s-rt</h1>
-<p>OpenAI-Realtime-compatible speech-to-speech server.</p>
-<ul>
-<li>WebSocket: <code>/v1/realtime</code></li>
-<li><a href="/healthz">/healthz</a>, <a href="/readyz">/readyz</a>,
-<a href="/v1/pool">/v1/pool</a>, <a href="/metrics">/metrics</a></li>
-</ul></body></html>
-"""
+STATIC_DIR = Path(__file__).parent / "static"
+_CONTENT_TYPES = {
+    ".html": "text/html; charset=utf-8",
+    ".js": "text/javascript; charset=utf-8",
+    ".css": "text/css; charset=utf-8",
+    ".svg": "image/svg+xml",
+    ".wav": "audio/wav",
+}
+
+
+def _static(name: str) -> Response:
+    """A file of the browser page, from the package (no build step)."""
+    if "/" in name or "\\" in name or name.startswith(".") or not name:
+        return _response(HTTPStatus.NOT_FOUND, "not found\n")
+    path = STATIC_DIR / name
+    if not path.is_file():
+        return _response(HTTPStatus.NOT_FOUND, f"not found: /static/{name}\n")
+    data = path.read_bytes()
+    headers = Headers(
+        [
+            ("Content-Type", _CONTENT_TYPES.get(path.suffix, "application/octet-stream")),
+            ("Content-Length", str(len(data))),
+            ("Cache-Control", "no-cache"),
+        ]
+    )
+    return Response(HTTPStatus.OK.value, HTTPStatus.OK.phrase, headers, data)
