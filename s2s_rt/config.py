@@ -42,6 +42,24 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stage_workers: int = 4
     #: Most input audio a session may buffer before committing, in seconds.
     max_input_buffer_s: float = 900.0
+    #: Deadline of one engine call (for streams: of each piece), per stage kind.
+    vad_timeout_s: float = 5.0
+    stt_timeout_s: float = 30.0
+    llm_timeout_s: float = 30.0
+    tts_timeout_s: float = 30.0
+
+    # Protection against clients that misbehave
+    #: A client that has not read its events for this long is closed with 1008.
+    send_timeout_s: float = 10.0
+    #: Client events per second a connection may send (sustained), and the burst above it.
+    max_events_per_s: float = 200.0
+    max_events_burst: int = 1000
+    #: Longest session (the hosted service's limit is 60 minutes); then `session_expired` and close 1001.
+    max_session_s: float = 3600.0
+    #: A session with no client events for this long is closed the same way; 0 disables.
+    idle_session_s: float = 600.0
+    #: Concurrent connections (sessions and handshakes) from one client address; 0 disables.
+    max_connections_per_ip: int = 0
 
     # Engines
     stack: str = "fake"

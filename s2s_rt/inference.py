@@ -9,6 +9,7 @@ have ready at the same moment and scores them in one batched call.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -25,42 +26,83 @@ T = TypeVar("T")
 _DONE = object()
 
 
+class EngineTimeout(Exception):
+    """An engine call ran past its deadline; its thread may still be running."""
+
+
 class StagePool:
-    """A bounded executor for one stage kind, with timing into metrics.
+    """A bounded executor for one stage kind, with deadlines and timing into metrics.
+
+    A call that runs past its deadline fails for its caller at once. Its
+    thread cannot be killed, so it is counted as overdue and the pool gets
+    one extra thread until it returns: hung calls never shrink the capacity
+    left to other sessions.
 
     Args:
         stage: the stage's name in metrics (``vad``, ``stt``, ``llm``, ``tts``).
         workers: threads; calls beyond this wait their turn.
         metrics: where call durations go.
+        deadline_s: the default deadline of a call (of each piece, for streams).
     """
 
-    def __init__(self, stage: str, workers: int, metrics: Metrics) -> None:
+    def __init__(self, stage: str, workers: int, metrics: Metrics, deadline_s: float = 60.0) -> None:
         self.stage = stage
         self.metrics = metrics
+        self.workers = workers
+        self.deadline_s = deadline_s
         self.executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"s2s-{stage}")
         self.in_flight = 0
+        self.overdue = 0
 
-    async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """Run ``fn(*args, **kwargs)`` in this pool and await its result."""
-        loop = asyncio.get_running_loop()
+    def _set_capacity(self) -> None:
+        # ThreadPoolExecutor starts a new thread per submit while below
+        # _max_workers; raising it is the only way to add room for stuck threads.
+        self.executor._max_workers = self.workers + self.overdue  # noqa: SLF001
+
+    def _mark_overdue(self, future: concurrent.futures.Future[Any]) -> None:
+        self.overdue += 1
+        self._set_capacity()
+        self.metrics.errors.inc(code=f"{self.stage}_timeout")
+
+        def returned(_: concurrent.futures.Future[Any]) -> None:
+            self.overdue -= 1
+            self._set_capacity()
+
+        future.add_done_callback(returned)
+
+    async def call(self, fn: Callable[..., T], *args: Any, deadline_s: float | None = None, **kwargs: Any) -> T:
+        """Run ``fn(*args, **kwargs)`` in this pool and await its result.
+
+        Raises:
+            EngineTimeout: the call took longer than its deadline.
+        """
         started = time.perf_counter()
         self.in_flight += 1
+        future = self.executor.submit(fn, *args, **kwargs)
         try:
-            return await loop.run_in_executor(self.executor, lambda: fn(*args, **kwargs))
+            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), deadline_s or self.deadline_s)
+        except TimeoutError:
+            if not future.cancel():  # not started yet: cancelled, no thread held
+                self._mark_overdue(future)
+            raise EngineTimeout(f"{self.stage} call exceeded {deadline_s or self.deadline_s:g} s") from None
         finally:
             self.in_flight -= 1
             self.metrics.stage_latency.observe(time.perf_counter() - started, stage=self.stage)
 
-    async def stream(self, make: Callable[[], Iterator[T]]) -> AsyncIterator[T]:
+    async def stream(self, make: Callable[[], Iterator[T]], deadline_s: float | None = None) -> AsyncIterator[T]:
         """Iterate a blocking generator in this pool, yielding its pieces here.
 
         The generator runs in one worker thread and hands each piece to the
         loop as it is made. If the consumer stops early, the thread stops at
         the next piece; the engine's own stop check usually stops it sooner.
+
+        Raises:
+            EngineTimeout: no piece (or the end) arrived within the deadline.
         """
         loop = asyncio.get_running_loop()
         pieces: asyncio.Queue[Any] = asyncio.Queue()
         closed = threading.Event()
+        deadline = deadline_s or self.deadline_s
 
         def produce() -> None:
             try:
@@ -75,10 +117,15 @@ class StagePool:
 
         started = time.perf_counter()
         self.in_flight += 1
-        future = loop.run_in_executor(self.executor, produce)
+        future = self.executor.submit(produce)
         try:
             while True:
-                piece = await pieces.get()
+                try:
+                    piece = await asyncio.wait_for(pieces.get(), deadline)
+                except TimeoutError:
+                    if not future.cancel():
+                        self._mark_overdue(future)
+                    raise EngineTimeout(f"{self.stage} produced nothing for {deadline:g} s") from None
                 if piece is _DONE:
                     break
                 if isinstance(piece, _Failure):
@@ -88,8 +135,6 @@ class StagePool:
             closed.set()
             self.in_flight -= 1
             self.metrics.stage_latency.observe(time.perf_counter() - started, stage=self.stage)
-            # The thread's outcome was already delivered as a piece.
-            future.add_done_callback(lambda f: f.exception())
 
     def shutdown(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)

@@ -75,6 +75,7 @@ class Server:
         self.port: int = self.config.port
         self.closing = False
         self.draining = False
+        self._per_ip: dict[str, int] = {}
         self.metrics = Metrics(self._slot_states, self._overdue_calls)
         self.pool: Pool | None = None
         self.pools: dict[str, StagePool] = {}
@@ -134,10 +135,10 @@ class Server:
         cfg = self.config
         assert self.stack is not None
         self.pools = {
-            "vad": StagePool("vad", 1, self.metrics),
-            "stt": StagePool("stt", cfg.stage_workers, self.metrics),
-            "llm": StagePool("llm", cfg.stage_workers, self.metrics),
-            "tts": StagePool("tts", cfg.stage_workers, self.metrics),
+            "vad": StagePool("vad", 1, self.metrics, cfg.vad_timeout_s),
+            "stt": StagePool("stt", cfg.stage_workers, self.metrics, cfg.stt_timeout_s),
+            "llm": StagePool("llm", cfg.stage_workers, self.metrics, cfg.llm_timeout_s),
+            "tts": StagePool("tts", cfg.stage_workers, self.metrics, cfg.tts_timeout_s),
         }
         batcher = VadBatcher(self.stack.vad, self.pools["vad"])
         slots = [
@@ -150,6 +151,7 @@ class Server:
                 queue_size=cfg.queue_size,
                 drain_timeout_s=cfg.drain_timeout_s,
                 max_input_buffer_s=cfg.max_input_buffer_s,
+                send_timeout_s=cfg.send_timeout_s,
             )
             for i in range(cfg.pool_size)
         ]
@@ -228,29 +230,45 @@ class Server:
     # --- per connection -----------------------------------------------------
 
     async def _handle(self, ws: ServerConnection) -> None:
+        host = _host(ws)
+        self._per_ip[host] = self._per_ip.get(host, 0) + 1
+        try:
+            await self._serve_connection(ws, host)
+        finally:
+            self._per_ip[host] -= 1
+            if not self._per_ip[host]:
+                del self._per_ip[host]
+
+    async def _refuse(self, ws: ServerConnection, code: str, text: str, close_code: int) -> None:
+        self.metrics.rejections.inc(reason=code)
+        self.metrics.errors.inc(code=code)
+        dialect = BETA if _wants_beta(ws.request) else GA
+        err = Session(dialect).error(ProtocolError(code, text, type="server_error"))
+        try:
+            await ws.send(encode_event(err), text=True)
+            await ws.close(close_code, code.replace("_", " "))
+        except ConnectionClosed:
+            pass
+
+    async def _serve_connection(self, ws: ServerConnection, host: str) -> None:
         assert self.pool is not None and self.stack is not None
-        client = _address(ws)
+        cfg = self.config
+        if cfg.max_connections_per_ip and self._per_ip[host] > cfg.max_connections_per_ip:
+            text = f"At most {cfg.max_connections_per_ip} concurrent connections per client address"
+            await self._refuse(ws, "too_many_connections", text, 1008)
+            return
         slot = None if self.closing or self.draining else self.pool.claim()
         if slot is None:
-            reason = "shutting_down" if self.closing else "session_limit_reached"
-            self.metrics.rejections.inc(reason=reason)
-            self.metrics.errors.inc(code=reason)
-            dialect = BETA if _wants_beta(ws.request) else GA
-            text = (
-                "The server is shutting down"
-                if self.closing
-                else f"All {len(self.pool.slots)} sessions are in use; try again later"
-            )
-            err = Session(dialect).error(ProtocolError(reason, text, type="server_error"))
-            try:
-                await ws.send(encode_event(err), text=True)
-                await ws.close(1013, "session limit reached" if not self.closing else "shutting down")
-            except ConnectionClosed:
-                pass
+            if self.closing or self.draining:
+                await self._refuse(ws, "shutting_down", "The server is not taking new sessions", 1013)
+            else:
+                text = f"All {len(self.pool.slots)} sessions are in use; try again later"
+                await self._refuse(ws, "session_limit_reached", text, 1013)
             return
         dialect = BETA if _wants_beta(ws.request) else GA
         session = Session(dialect, self.stack.tts.voices)
         self.metrics.sessions_total.inc()
+        client = _address(ws)
         slot.attach(ws, session, client)
         started = time.monotonic()
         log.info(
@@ -262,8 +280,7 @@ class Server:
         )
         reason = "client closed"
         try:
-            async for message in ws:
-                await slot.receive(message)
+            reason = await self._receive_loop(ws, slot) or reason
         except ConnectionClosed:
             reason = "connection lost"
         except Exception:
@@ -271,7 +288,7 @@ class Server:
             log.exception("slot %d: error while handling session %s", slot.index, session.id)
             await ws.close(1011, "internal error")
         finally:
-            if ws.close_code not in (None, 1000, 1001, 1005):
+            if ws.close_code not in (None, 1000, 1001, 1005) and reason == "client closed":
                 reason = f"closed with {ws.close_code}"
             clean = await slot.end_session()
             log.info(
@@ -283,6 +300,44 @@ class Server:
                 session.turns,
                 "" if clean else " (slot quarantined)",
             )
+
+    async def _receive_loop(self, ws: ServerConnection, slot: Slot) -> str | None:
+        """Feed the client's frames to its slot until the socket closes or a limit ends the session.
+
+        Returns:
+            Why the session ended, when a limit ended it.
+        """
+        cfg = self.config
+        loop = asyncio.get_running_loop()
+        expires = loop.time() + cfg.max_session_s
+        budget = EventBudget(cfg.max_events_per_s, cfg.max_events_burst)
+        while True:
+            now = loop.time()
+            idle_at = now + cfg.idle_session_s if cfg.idle_session_s > 0 else expires
+            try:
+                async with asyncio.timeout(min(expires, idle_at) - now):
+                    message = await ws.recv()
+            except TimeoutError:
+                expired = loop.time() >= expires
+                code = "session_expired"
+                text = (
+                    f"The session reached its maximum duration of {cfg.max_session_s:g} s"
+                    if expired
+                    else f"The session was idle for {cfg.idle_session_s:g} s"
+                )
+                await slot.end_with_error(ProtocolError(code, text, type="invalid_request_error"), 1001)
+                await ws.wait_closed()
+                return "expired" if expired else "idle"
+            if not budget.take(now):
+                await slot.error(
+                    ProtocolError(
+                        "rate_limit_exceeded",
+                        f"Too many events: at most {cfg.max_events_per_s:g} per second (burst"
+                        f" {cfg.max_events_burst}); this event was not processed",
+                    )
+                )
+                continue
+            await slot.receive(message)
 
     # --- HTTP on the same port -------------------------------------------------
 
@@ -357,7 +412,7 @@ class Server:
         return self.pool.states() if self.pool is not None else {}
 
     def _overdue_calls(self) -> int:
-        return sum(p.in_flight for p in self.pools.values())
+        return sum(p.overdue for p in self.pools.values())
 
 
 def _response(status: HTTPStatus, body: str, content_type: str = "text/plain; charset=utf-8") -> Response:
@@ -389,6 +444,30 @@ def _is_loopback(connection: ServerConnection) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+class EventBudget:
+    """A token bucket: ``rate`` events per second on average, ``burst`` at once."""
+
+    def __init__(self, rate: float, burst: int) -> None:
+        self.rate = rate
+        self.burst = float(burst)
+        self.tokens = float(burst)
+        self.last: float | None = None
+
+    def take(self, now: float) -> bool:
+        if self.last is not None:
+            self.tokens = min(self.burst, self.tokens + (now - self.last) * self.rate)
+        self.last = now
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return True
+        return False
+
+
+def _host(ws: ServerConnection) -> str:
+    addr = ws.remote_address
+    return str(addr[0]) if isinstance(addr, tuple) else str(addr)
 
 
 def _address(ws: ServerConnection) -> str:

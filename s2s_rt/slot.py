@@ -38,7 +38,7 @@ from websockets.exceptions import ConnectionClosed
 from s2s_rt.audio import AudioFormat, AudioFormatError, Resampler
 from s2s_rt.engines.base import PIPELINE_RATE, Float32Array, LLMUsage, Stack
 from s2s_rt.generation import Generation
-from s2s_rt.inference import StagePool, VadBatcher
+from s2s_rt.inference import EngineTimeout, StagePool, VadBatcher
 from s2s_rt.metrics import Metrics
 from s2s_rt.protocol import client_events as ce
 from s2s_rt.protocol.errors import ProtocolError
@@ -126,6 +126,15 @@ class ResponseEnd:
     generation: int
     response: ActiveResponse
     usage: LLMUsage
+
+
+@dataclass(slots=True)
+class CloseRequest:
+    """Close the socket once everything queued before it has been sent."""
+
+    generation: int
+    code: int
+    reason: str
 
 
 @dataclass(slots=True)
@@ -233,6 +242,7 @@ class Slot:
         queue_size: bound of every queue between stages.
         drain_timeout_s: teardown deadline before quarantine.
         max_input_buffer_s: most uncommitted input audio per session.
+        send_timeout_s: how long one send may wait for a client that does not read.
     """
 
     def __init__(
@@ -246,6 +256,7 @@ class Slot:
         queue_size: int = 256,
         drain_timeout_s: float = 5.0,
         max_input_buffer_s: float = 900.0,
+        send_timeout_s: float = 10.0,
     ) -> None:
         self.index = index
         self.stack = stack
@@ -253,6 +264,7 @@ class Slot:
         self.vad = vad
         self.metrics = metrics
         self.drain_timeout_s = drain_timeout_s
+        self.send_timeout_s = send_timeout_s
         self.max_input_samples = ms_to_samples(max_input_buffer_s * 1000)
         self.state = SlotState.IDLE
         self.state_since = time.monotonic()
@@ -392,6 +404,11 @@ class Slot:
         self.metrics.errors.inc(code=exc.code)
         await self.emit([self.ctx.session.error(exc)])
 
+    async def end_with_error(self, exc: ProtocolError, close_code: int) -> None:
+        """Send ``exc`` as an error event, then close the socket with ``close_code``."""
+        await self.error(exc)
+        await self.out_q.put(CloseRequest(self.generation.current, close_code, exc.code.replace("_", " ")))
+
     def _stale(self, item: Any) -> bool:
         if self.generation.is_stale(item.generation, response=_response_bound(item)):
             return True
@@ -407,9 +424,20 @@ class Slot:
                 self.metrics.dropped_stale.inc(stage="send")
                 continue
             ctx = self.ctx
+            if isinstance(item, CloseRequest):
+                await _close_quickly(ctx.ws, item.code, item.reason)
+                continue
             try:
-                await ctx.ws.send(encode_event(item.event), text=True)
+                async with asyncio.timeout(self.send_timeout_s):
+                    await ctx.ws.send(encode_event(item.event), text=True)
             except ConnectionClosed:
+                continue
+            except TimeoutError:
+                # The client stopped reading and its buffers are full: close it
+                # (1008) rather than let its output pile up. Only this slot waits.
+                self.metrics.errors.inc(code="client_not_reading")
+                log.warning("slot %d: client %s stopped reading; closing it", self.index, ctx.client)
+                await _close_quickly(ctx.ws, 1008, "client is not reading its events")
                 continue
             self.metrics.events_out.inc(type=item.event.type)
             if item.event.type == "error":
@@ -547,7 +575,15 @@ class Slot:
             piece, ctx.pending = ctx.pending[:chunk], ctx.pending[chunk:]
             start = ctx.clock
             ctx.clock += chunk
-            prob = await self.vad.probability(piece, ctx.vad_state)
+            try:
+                prob = await self.vad.probability(piece, ctx.vad_state)
+            except Exception as exc:
+                # The turn goes on without this chunk's decision; say so once per failure.
+                log.warning("slot %d: VAD failed: %r", self.index, exc)
+                await self.error(
+                    ProtocolError("vad_failed", f"Voice activity detection failed: {exc}", type="server_error")
+                )
+                prob = 0.0
             if ctx.detector is None:  # turned off by a session.update meanwhile
                 break
             turn = ctx.detector.feed(prob, samples_to_ms(start), samples_to_ms(ctx.clock))
@@ -719,8 +755,9 @@ class Slot:
             log.warning("slot %d: LLM failed: %r", self.index, exc)
             if not stale():
                 self.metrics.turns.inc(status="failed")
-                self.metrics.errors.inc(code="llm_failed")
-                await self.emit(session.fail_response(r, "llm_failed", f"The language model failed: {exc}"))
+                code = "llm_timeout" if isinstance(exc, EngineTimeout) else "llm_failed"
+                self.metrics.errors.inc(code=code)
+                await self.emit(session.fail_response(r, code, f"The language model failed: {exc}"))
             return
         if stale():
             self.metrics.dropped_stale.inc(stage="llm")
@@ -779,8 +816,9 @@ class Slot:
             log.warning("slot %d: TTS failed: %r", self.index, exc)
             if not stale():
                 self.metrics.turns.inc(status="failed")
-                self.metrics.errors.inc(code="tts_failed")
-                await self.emit(ctx.session.fail_response(r, "tts_failed", f"Speech synthesis failed: {exc}"))
+                code = "tts_timeout" if isinstance(exc, EngineTimeout) else "tts_failed"
+                self.metrics.errors.inc(code=code)
+                await self.emit(ctx.session.fail_response(r, code, f"Speech synthesis failed: {exc}"))
             return
         if stale():
             return
@@ -793,6 +831,15 @@ class Slot:
         if speech_end is not None:
             self.metrics.turn_latency.observe(time.perf_counter() - speech_end)
         await self.emit(ctx.session.audio_events(r, chunks, job.text, ms), gen)
+
+
+async def _close_quickly(ws: ServerConnection, code: int, reason: str) -> None:
+    """Send a close frame; if the peer does not answer within a second, drop the TCP connection."""
+    try:
+        async with asyncio.timeout(1.0):
+            await ws.close(code, reason)
+    except TimeoutError:
+        ws.transport.abort()
 
 
 def _voice(stack: Stack, voice: str) -> str | None:

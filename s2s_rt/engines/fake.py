@@ -5,13 +5,15 @@ exactly:
 
 - :class:`EnergyVAD` calls a chunk speech when its RMS level is at least 0.01.
 - :class:`ChecksumSTT` "transcribes" audio as its duration and a CRC-32 of
-  its 16-bit samples: ``heard 1230 ms crc 1a2b3c4d``.
+  its 16-bit samples: ``heard 1230 ms crc 1a2b3c4d``; it fails when the
+  session's transcription prompt contains ``[[fail]]``.
 - :class:`EchoLLM` answers ``You said: <the last user text>.`` word by word.
   Words in double brackets in the user's text steer it, for fault tests:
   ``[[slow N]]`` waits N ms per token, ``[[block N]]`` blocks its thread N ms
   per token without checking for cancellation, ``[[fail]]`` raises mid-stream.
 - :class:`ToneTTS` speaks each word as a 100 ms tone whose pitch depends on
-  the word, then 20 ms of silence, at 22.05 kHz (so resampling is exercised).
+  the word, then 20 ms of silence, at 22.05 kHz (so resampling is exercised);
+  it fails on the word ``[[tts-fail]]``.
 """
 
 from __future__ import annotations
@@ -62,6 +64,8 @@ class ChecksumSTT:
     def transcribe(self, audio: Float32Array, *, language: str | None = None, prompt: str | None = None) -> Transcript:
         if self.delay_ms:
             time.sleep(self.delay_ms / 1000)
+        if prompt and "[[fail]]" in prompt:
+            raise RuntimeError("fake STT failure requested by the transcription prompt")
         return Transcript(checksum_transcript(audio), language or "en")
 
 
@@ -127,6 +131,8 @@ class ToneTTS:
             raise ValueError(f"unknown voice {voice!r}; available: {', '.join(self.voices)}")
         scale = 0.5 if voice == "tone-low" else 1.0
         for word in text.split():
+            if "[[tts-fail]]" in word:
+                raise RuntimeError("fake TTS failure requested by [[tts-fail]]")
             if should_stop():
                 return
             if self.delay_ms:
