@@ -219,15 +219,15 @@ def decode_client_event(data: str | bytes) -> ClientEvent:
     try:
         event: ClientEvent = _decoder.decode(data)
         return event
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
         # The fast path failed; only now look at the frame loosely to say why.
         raise _classify(data, exc) from None
 
 
-def _classify(data: str | bytes, exc: msgspec.DecodeError) -> ProtocolError:
+def _classify(data: str | bytes, exc: Exception) -> ProtocolError:
     try:
         raw = _loose.decode(data)
-    except msgspec.DecodeError as jexc:
+    except (msgspec.DecodeError, UnicodeDecodeError) as jexc:
         return ProtocolError("invalid_json", f"The frame is not valid JSON: {jexc}")
     if not isinstance(raw, dict):
         return ProtocolError("invalid_event", f"A client event must be a JSON object, not {type(raw).__name__}")

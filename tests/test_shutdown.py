@@ -1,0 +1,92 @@
+"""SIGTERM under load: readiness drops at once, running turns finish, then 1001, exit 0."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+
+from conftest import run
+
+
+def _start(pool_size: int, grace: float) -> tuple[subprocess.Popen[str], int]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "s2s_rt", "serve", "--stack", "fake", "--port", "0",
+         "--pool-size", str(pool_size), "--grace-period", str(grace)],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stderr is not None
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        if "listening on ws://" in line:
+            return proc, int(line.split("ws://", 1)[1].split("/", 1)[0].rsplit(":", 1)[1])
+    proc.kill()
+    raise AssertionError("server did not start")
+
+
+def _readyz(port: int) -> int:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def test_sigterm_with_eight_sessions_mid_turn() -> None:
+    proc, port = _start(pool_size=8, grace=10)
+    url = f"ws://127.0.0.1:{port}/v1/realtime"
+
+    async def session(n: int, started: asyncio.Event, results: list) -> None:
+        async with connect(url) as ws:
+            await ws.send(json.dumps({"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [{"type": "input_text", "text": f"[[slow 150]] session {n} says one. two. three."}]}}))
+            await ws.send(json.dumps({"type": "response.create"}))
+            status = None
+            try:
+                while True:
+                    e = json.loads(await ws.recv())
+                    if e["type"] == "response.created":
+                        results.append(("created", n))
+                        if sum(1 for r in results if r[0] == "created") == 8:
+                            started.set()
+                    if e["type"] == "response.done":
+                        status = e["response"]["status"]
+            except ConnectionClosed:
+                pass
+            results.append(("end", n, status, ws.close_code))
+
+    async def scenario() -> None:
+        started = asyncio.Event()
+        results: list = []
+        tasks = [asyncio.create_task(session(n, started, results)) for n in range(8)]
+        await asyncio.wait_for(started.wait(), 10)
+        proc.send_signal(signal.SIGTERM)
+        await asyncio.sleep(0.2)
+        assert await asyncio.to_thread(_readyz, port) == 503
+        try:
+            async with connect(url):
+                raise AssertionError("a new session was accepted during shutdown")
+        except InvalidStatus as exc:
+            assert exc.response.status_code == 503
+        await asyncio.wait_for(asyncio.gather(*tasks), 20)
+        ends = [r for r in results if r[0] == "end"]
+        assert len(ends) == 8
+        assert all(status == "completed" for _, _, status, _ in ends), ends
+        assert all(code == 1001 for _, _, _, code in ends), ends
+
+    try:
+        run(scenario())
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
