@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import sys
 
 from s2s_rt.config import ConfigError, load_config
+from s2s_rt.logs import setup_logging
 from s2s_rt.server import Server
 
 
@@ -17,7 +17,13 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--host", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port (default 8000; 0 picks a free one)")
     p.add_argument("--pool-size", type=int, dest="pool_size", help="concurrent sessions (slots)")
-    p.add_argument("--stack", choices=["default", "fake"], help="engines: real models, or fake ones for tests")
+    p.add_argument(
+        "--stack", choices=["default", "fake"], help="engines: real models (default), or fake ones for tests"
+    )
+    p.add_argument("--device", help="auto (default), cpu, cuda or cuda:N")
+    p.add_argument("--llm", help="LLM preset (default, tiny) or a CTranslate2 model directory")
+    p.add_argument("--stt-model", dest="stt_model", help="a CTranslate2 Whisper directory")
+    p.add_argument("--voice", dest="voices", action="append", help="an extra Piper voice .onnx; repeatable")
     p.add_argument(
         "--drain-timeout", type=float, dest="drain_timeout_s", help="seconds before a stuck slot is quarantined"
     )
@@ -33,12 +39,26 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--allowed-origin", dest="allowed_origins", action="append", help="allow browsers from this Origin; repeatable"
     )
     p.add_argument("--log-level", dest="log_level", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-format", dest="log_format", choices=["text", "json"], help="text (default) or json lines")
+    p.add_argument(
+        "--log-content",
+        dest="log_content",
+        action="store_const",
+        const=True,
+        help="include what users said and the answers in turn log lines",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="s2s-rt", description="OpenAI-Realtime-compatible speech-to-speech server")
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
+    sub.add_parser("models", help="prepare, list or verify the model cache (s2s-rt models --help)", add_help=False)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["models"]:
+        from s2s_rt.models.cli import main as models_main
+
+        return models_main(argv[1:])
     args = parser.parse_args(argv)
     if args.command == "serve":
         overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
@@ -47,15 +67,16 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as exc:
             print(f"s2s-rt: {exc}", file=sys.stderr)
             return 2
-        logging.getLogger("websockets").setLevel(logging.WARNING)
-        logging.basicConfig(
-            level=config.log_level.upper(),
-            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        )
+        setup_logging(config.log_level, config.log_format)
+        from s2s_rt.models import ModelError
+
         try:
             asyncio.run(Server(config).run())
         except KeyboardInterrupt:
             pass
+        except ModelError as exc:
+            print(f"s2s-rt: {exc}", file=sys.stderr)
+            return 1
         return 0
     return 2
 

@@ -62,7 +62,23 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_connections_per_ip: int = 0
 
     # Engines
-    stack: str = "fake"
+    #: ``default`` (real models) or ``fake`` (deterministic engines for tests).
+    stack: str = "default"
+    #: ``auto`` (CUDA when it really works, else CPU), ``cpu``, ``cuda`` or ``cuda:N``.
+    device: str = "auto"
+    #: LLM preset (``default``: Qwen2.5-Coder-0.5B-Instruct, ``tiny``: SmolLM2-135M) or a CTranslate2 model directory.
+    llm: str = "default"
+    #: A CTranslate2 Whisper directory instead of the packaged Whisper base.
+    stt_model: str | None = None
+    #: Extra Piper voices (``.onnx`` files with their ``.onnx.json`` beside them).
+    voices: list[str] = []
+    #: The model cache (``$S2S_RT_MODELS``; default ``~/.cache/s2s-rt/models``).
+    models: str | None = None
+    #: Threads inside one engine call, per engine kind.
+    vad_threads: int = 1
+    stt_threads: int = 1
+    llm_threads: int = 1
+    tts_threads: int = 1
     #: fake stack: extra time per STT call, per LLM token, per TTS word.
     fake_stt_delay_ms: int = 0
     fake_llm_token_delay_ms: int = 0
@@ -76,6 +92,10 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     allowed_origins: list[str] = []
 
     log_level: str = "info"
+    #: ``text`` for people, ``json`` for log collectors (one object per line).
+    log_format: str = "text"
+    #: Put transcripts and answers in the turn log lines (off: logs never hold what people said).
+    log_content: bool = False
 
     def validate(self) -> Config:
         """Check ranges; returns self.

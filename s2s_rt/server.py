@@ -26,7 +26,7 @@ from typing import Any
 from websockets.asyncio.server import Server as WsServer
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.datastructures import Headers
-from websockets.exceptions import ConnectionClosed
+from websockets.exceptions import ConnectionClosed, ConnectionClosedOK
 from websockets.http11 import Request, Response
 from websockets.typing import Subprotocol
 
@@ -57,7 +57,28 @@ def load_stack(config: Config) -> Stack:
             llm_token_delay_ms=config.fake_llm_token_delay_ms,
             tts_delay_ms=config.fake_tts_delay_ms,
         )
-    raise ValueError(f"unknown stack {config.stack!r}")
+    from s2s_rt import models
+    from s2s_rt.engines.default import load_default_stack
+
+    preset = config.llm if config.llm in models.LLM_PRESETS else "default"
+    prepared = models.ensure_prepared(config.models, llm=preset, progress=lambda line: log.info("%s", line))
+    llm_dir = prepared.llm if config.llm in models.LLM_PRESETS else models.resolve_llm_dir(config.llm, config.models)
+    whisper_dir = models.resolve_whisper_dir(config.stt_model, config.models) if config.stt_model else prepared.whisper
+    voices = dict(prepared.voices)
+    for spec in config.voices:
+        path = models.resolve_voice(spec, config.models)
+        voices[path.name.removesuffix(".onnx")] = path
+    return load_default_stack(
+        vad_model=prepared.vad,
+        whisper_dir=whisper_dir,
+        llm_dir=llm_dir,
+        voices=voices,
+        device=config.device,
+        vad_threads=config.vad_threads,
+        stt_threads=config.stt_threads,
+        llm_threads=config.llm_threads,
+        tts_threads=config.tts_threads,
+    )
 
 
 class Server:
@@ -157,6 +178,7 @@ class Server:
         ]
         for slot in slots:
             slot.on_change.append(self._changed.set)
+            slot.log_content = cfg.log_content
         self.pool = Pool(slots)
         tasks: list[asyncio.Task[Any]] = []
         try:
@@ -277,10 +299,13 @@ class Server:
             slot.index,
             client,
             "beta" if dialect.beta else "GA",
+            extra={"fields": {"event": "session_start", "session": session.id, "slot": slot.index, "client": client}},
         )
         reason = "client closed"
         try:
             reason = await self._receive_loop(ws, slot) or reason
+        except ConnectionClosedOK:
+            reason = "client closed"
         except ConnectionClosed:
             reason = "connection lost"
         except Exception:
@@ -299,6 +324,18 @@ class Server:
                 time.monotonic() - started,
                 session.turns,
                 "" if clean else " (slot quarantined)",
+                extra={
+                    "fields": {
+                        "event": "session_end",
+                        "session": session.id,
+                        "slot": slot.index,
+                        "client": client,
+                        "duration_s": round(time.monotonic() - started, 3),
+                        "turns": session.turns,
+                        "reason": reason,
+                        "quarantined": not clean,
+                    }
+                },
             )
 
     async def _receive_loop(self, ws: ServerConnection, slot: Slot) -> str | None:

@@ -36,7 +36,7 @@ import numpy as np
 from websockets.exceptions import ConnectionClosed
 
 from s2s_rt.audio import AudioFormat, AudioFormatError, Resampler
-from s2s_rt.engines.base import PIPELINE_RATE, Float32Array, LLMUsage, Stack
+from s2s_rt.engines.base import PIPELINE_RATE, ChatMessage, Float32Array, LLMUsage, Stack
 from s2s_rt.generation import Generation
 from s2s_rt.inference import EngineTimeout, StagePool, VadBatcher
 from s2s_rt.metrics import Metrics
@@ -44,6 +44,9 @@ from s2s_rt.protocol import client_events as ce
 from s2s_rt.protocol.errors import ProtocolError
 from s2s_rt.protocol.server_events import ServerEvent, encode_event
 from s2s_rt.protocol.session import ActiveResponse, Session, new_id
+from s2s_rt.toolcalls import Call as CallPart
+from s2s_rt.toolcalls import Text as TextPart
+from s2s_rt.toolcalls import ToolCallError, ToolCallFilter, offered_tools, parse_call
 from s2s_rt.turn import SpeechStart, SpeechStop, TurnDetector
 
 if TYPE_CHECKING:
@@ -122,10 +125,32 @@ class Speak:
 
 
 @dataclass(slots=True)
+class CallOut:
+    """A validated function call, emitted in order with the speech around it."""
+
+    generation: int
+    response: ActiveResponse
+    name: str
+    arguments: str
+
+
+@dataclass(slots=True)
 class ResponseEnd:
     generation: int
     response: ActiveResponse
     usage: LLMUsage
+
+
+@dataclass(slots=True)
+class TurnTiming:
+    """``perf_counter()`` times of one response's turn."""
+
+    speech_end: float | None = None
+    transcribed: float | None = None
+    created: float = field(default_factory=time.perf_counter)
+    first_token: float | None = None
+    first_audio: float | None = None
+    user_text: str | None = None
 
 
 @dataclass(slots=True)
@@ -144,11 +169,11 @@ class Outgoing:
     event: ServerEvent
 
 
-Work = AudioIn | BufferCommand | ResponseRequest | Transcribe | Speak | ResponseEnd | Outgoing
+Work = AudioIn | BufferCommand | ResponseRequest | Transcribe | Speak | CallOut | ResponseEnd | Outgoing
 
 
 def _response_bound(item: Any) -> bool:
-    return isinstance(item, (ResponseRequest, Speak, ResponseEnd)) or (
+    return isinstance(item, (ResponseRequest, Speak, CallOut, ResponseEnd)) or (
         isinstance(item, Outgoing) and item.response_bound
     )
 
@@ -278,8 +303,9 @@ class Slot:
         self.tts_q: asyncio.Queue[Any] = asyncio.Queue(queue_size)
         self.out_q: asyncio.Queue[Any] = asyncio.Queue(queue_size)
         self._drained = asyncio.Event()
-        # perf_counter() at the end of the user's speech, per response, until its first audio.
-        self._speech_end: dict[str, float] = {}
+        # When each stage of a response's turn happened, for the turn log and metrics.
+        self._timings: dict[str, TurnTiming] = {}
+        self.log_content = False
         #: Called when a session or a response ends (the server's shutdown waits on it).
         self.on_change: list[Callable[[], None]] = []
 
@@ -329,7 +355,7 @@ class Slot:
 
     def _session_ended(self) -> None:
         self.ctx = None
-        self._speech_end.clear()
+        self._timings.clear()
         if self.state is SlotState.DRAINING:
             self.transition(SlotState.IDLE)
         self._drained.set()
@@ -397,12 +423,45 @@ class Slot:
         for event in events:
             await self.out_q.put(Outgoing(gen, bound, event))
             if event.type == "response.done":
+                self._turn_done(event)
                 self._notify()
 
     async def error(self, exc: ProtocolError) -> None:
         assert self.ctx is not None
         self.metrics.errors.inc(code=exc.code)
         await self.emit([self.ctx.session.error(exc)])
+
+    def _turn_done(self, event: ServerEvent) -> None:
+        """One log line per finished turn, with its latency breakdown."""
+        response = event.response  # type: ignore[attr-defined]
+        timing = self._timings.pop(response.id, None)
+        if timing is None or self.ctx is None:
+            return
+        now = time.perf_counter()
+        origin = timing.speech_end if timing.speech_end is not None else timing.created
+
+        def ms(t: float | None) -> int | None:
+            return None if t is None else round((t - origin) * 1000)
+
+        fields: dict[str, Any] = {
+            "slot": self.index,
+            "session": self.ctx.session.id,
+            "response": response.id,
+            "status": response.status,
+            "from": "end_of_speech" if timing.speech_end is not None else "response.create",
+            "transcribed_ms": ms(timing.transcribed),
+            "first_token_ms": ms(timing.first_token),
+            "first_audio_ms": ms(timing.first_audio),
+            "done_ms": ms(now),
+        }
+        if self.log_content:
+            fields["user"] = timing.user_text
+            output = response.output[0].content if response.output else None
+            fields["assistant"] = (output[0].transcript or output[0].text) if output else None
+        text = " ".join(f"{k}={v}" for k, v in fields.items() if v is not None and k not in ("user", "assistant"))
+        if self.log_content:
+            text += f" user={fields['user']!r} assistant={fields['assistant']!r}"
+        log.info("turn %s", text, extra={"fields": {"event": "turn", **fields}})
 
     async def end_with_error(self, exc: ProtocolError, close_code: int) -> None:
         """Send ``exc`` as an error event, then close the socket with ``close_code``."""
@@ -499,8 +558,9 @@ class Slot:
                 # The generation moves only if the response really starts.
                 events = session.start_response(ev.response, gen + 1, ev.event_id)
                 response_gen = self.generation.advance()
-                await self.emit(events)
                 assert session.response is not None
+                self._timings[session.response.id] = TurnTiming()
+                await self.emit(events)
                 await self.vad_q.put(ResponseRequest(response_gen, session.response))
             case ce.ResponseCancel():
                 events = session.cancel_response("client_cancelled", ev.response_id, ev.event_id)
@@ -704,8 +764,11 @@ class Slot:
         if job.respond and session.response is None:
             events = session.start_response(None, self.generation.current + 1)
             gen = self.generation.advance()
-            await self.emit(events)
             assert session.response is not None
+            self._timings[session.response.id] = TurnTiming(
+                speech_end=job.speech_end, transcribed=time.perf_counter(), user_text=result.text.strip()
+            )
+            await self.emit(events)
             await self.llm_q.put(ResponseRequest(gen, session.response, job.speech_end))
 
     async def _llm_stage(self) -> None:
@@ -726,46 +789,100 @@ class Slot:
         r = req.response
         gen = req.generation
         messages = session.prompt(r)
+        tools, must_call = offered_tools(r.tools, r.tool_choice)
         usage = LLMUsage()
 
         def stale() -> bool:
             return self.generation.is_stale(gen, response=True)
 
         clauses = ClauseSplitter()
-        if req.speech_end is not None:
-            self._speech_end[r.id] = req.speech_end
-        try:
-            async for piece in self.pools["llm"].stream(
-                lambda: self.stack.llm.stream(
-                    messages,
-                    max_tokens=r.token_limit,
-                    temperature=r.temperature,
-                    should_stop=stale,
-                    usage=usage,
-                )
-            ):
-                if stale():
-                    break
-                if not r.audio:
-                    await self.emit([session.text_delta(r, piece)], gen)
+        spoke = False
+        for attempt in range(2):
+            calls: list[str] = []
+            splitter = ToolCallFilter()
+            try:
+                async for piece in self.pools["llm"].stream(
+                    lambda: self.stack.llm.stream(
+                        messages,
+                        max_tokens=r.token_limit,
+                        temperature=r.temperature,
+                        should_stop=stale,
+                        usage=usage,
+                        tools=tools,
+                        require_tool=must_call,
+                    )
+                ):
+                    if stale():
+                        break
+                    timing = self._timings.get(r.id)
+                    if timing is not None and timing.first_token is None:
+                        timing.first_token = time.perf_counter()
+                    for part in splitter.feed(piece):
+                        spoke |= await self._say(session, r, gen, part, clauses, calls)
+                for part in splitter.flush():
+                    spoke |= await self._say(session, r, gen, part, clauses, calls)
+            except Exception as exc:
+                log.warning("slot %d: LLM failed: %r", self.index, exc)
+                if not stale():
+                    self.metrics.turns.inc(status="failed")
+                    code = "llm_timeout" if isinstance(exc, EngineTimeout) else "llm_failed"
+                    self.metrics.errors.inc(code=code)
+                    await self.emit(session.fail_response(r, code, f"The language model failed: {exc}"))
+                return
+            if stale():
+                self.metrics.dropped_stale.inc(stage="llm")
+                return
+            problems = []
+            for raw in calls:
+                try:
+                    name, arguments = parse_call(raw, tools)
+                except ToolCallError as exc:
+                    problems.append((raw, str(exc)))
                     continue
-                for clause in clauses.feed(piece):
-                    await self.tts_q.put(Speak(gen, r, clause))
-        except Exception as exc:
-            log.warning("slot %d: LLM failed: %r", self.index, exc)
-            if not stale():
-                self.metrics.turns.inc(status="failed")
-                code = "llm_timeout" if isinstance(exc, EngineTimeout) else "llm_failed"
-                self.metrics.errors.inc(code=code)
-                await self.emit(session.fail_response(r, code, f"The language model failed: {exc}"))
-            return
-        if stale():
-            self.metrics.dropped_stale.inc(stage="llm")
-            return
+                await self.tts_q.put(CallOut(gen, r, name, arguments))
+            if not problems:
+                break
+            if attempt == 0 and not spoke and len(problems) == len(calls):
+                # One retry, telling the model what was wrong with its call.
+                raw, why = problems[0]
+                messages = [
+                    *messages,
+                    ChatMessage("assistant", f"<tool_call>\n{raw}\n</tool_call>"),
+                    ChatMessage("tool", f"Error: {why}. Call the function again with valid arguments."),
+                ]
+                continue
+            # Still wrong: say so as an answer instead of sending a bad call.
+            why = problems[0][1]
+            spoke |= await self._say(
+                session, r, gen, TextPart(f"Sorry, I could not make that call: {why}."), clauses, calls
+            )
+            break
         rest = clauses.flush()
         if rest and r.audio:
             await self.tts_q.put(Speak(gen, r, rest))
         await self.tts_q.put(ResponseEnd(gen, r, usage))
+
+    async def _say(
+        self,
+        session: Session,
+        r: ActiveResponse,
+        gen: int,
+        part: TextPart | CallPart,
+        clauses: ClauseSplitter,
+        calls: list[str],
+    ) -> bool:
+        """Route one piece of model output; returns whether it was speakable text."""
+        if isinstance(part, CallPart):
+            calls.append(part.raw)
+            return False
+        if not part.text:
+            return False
+        if not r.audio:
+            await self.emit(session.text_delta(r, part.text), gen)
+        else:
+            for clause in clauses.feed(part.text):
+                await self.tts_q.put(Speak(gen, r, clause))
+        return bool(part.text.strip())
 
     async def _tts_stage(self) -> None:
         resampler: Resampler | None = None
@@ -781,13 +898,15 @@ class Slot:
             ctx = self.ctx
             assert ctx is not None
             r = item.response
+            if isinstance(item, CallOut):
+                await self.emit(ctx.session.function_call(r, item.name, item.arguments), item.generation)
+                continue
             if isinstance(item, ResponseEnd):
                 r.input_tokens, r.output_tokens = item.usage.input_tokens, item.usage.output_tokens
                 events = ctx.session.finish_response(r)
                 if events:
                     self.metrics.turns.inc(status="completed")
                 ctx.idle_from = ctx.clock
-                self._speech_end.pop(r.id, None)
                 await self.emit(events, item.generation)
                 continue
             if current != r.id:
@@ -827,9 +946,11 @@ class Slot:
         step = max(fmt.bytes_per_sample, int(fmt.rate * DELTA_MS / 1000) * fmt.bytes_per_sample)
         chunks = [data[i : i + step] for i in range(0, len(data), step)]
         ms = 1000 * len(samples) / fmt.rate
-        speech_end = self._speech_end.pop(r.id, None)
-        if speech_end is not None:
-            self.metrics.turn_latency.observe(time.perf_counter() - speech_end)
+        timing = self._timings.get(r.id)
+        if timing is not None and timing.first_audio is None:
+            timing.first_audio = time.perf_counter()
+            if timing.speech_end is not None:
+                self.metrics.turn_latency.observe(timing.first_audio - timing.speech_end)
         await self.emit(ctx.session.audio_events(r, chunks, job.text, ms), gen)
 
 

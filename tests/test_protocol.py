@@ -234,9 +234,12 @@ def test_out_of_band_response_is_not_added_to_the_conversation() -> None:
     )
     s.start_response(ev.response, 1)  # type: ignore[union-attr]
     r = s.response
-    assert r is not None and not r.in_conversation and r.item.id not in s.items
+    assert r is not None and not r.in_conversation
+    s.text_delta(r, "Hi.")
+    assert r.item is not None and r.item.id not in s.items
     [done] = [e for e in s.finish_response(r) if e.type == "response.done"]
     assert done.response.conversation_id is None  # type: ignore[attr-defined]
+    assert done.response.output[0].content[0].text == "Hi."  # type: ignore[attr-defined]
 
 
 def test_heard_text_keeps_words_spoken_before_the_cut() -> None:

@@ -69,7 +69,7 @@ class STT(Protocol):
 
 @dataclass(slots=True)
 class ChatMessage:
-    role: str  # "system" | "user" | "assistant"
+    role: str  # "system" | "user" | "assistant" | "tool" (a function's result)
     content: str
 
 
@@ -90,11 +90,20 @@ class LLM(Protocol):
         temperature: float,
         should_stop: StopCheck,
         usage: LLMUsage,
+        tools: Sequence[dict[str, Any]] = (),
+        require_tool: bool = False,
     ) -> Iterator[str]:
         """Yield the answer as text pieces (detokenised, in order).
 
         Checks ``should_stop`` between tokens and returns early when it is
         True. Fills ``usage`` as it goes (input tokens before the first piece).
+
+        ``tools`` (Realtime function definitions: name, description,
+        parameters) are shown to the model in its chat template's tools
+        section; it calls one by writing ``<tool_call>{"name": …,
+        "arguments": {…}}</tool_call>``, which the server parses out of the
+        stream. ``require_tool`` tells the model it must call one. A message
+        with role ``tool`` carries a function's result back.
         """
         ...
 

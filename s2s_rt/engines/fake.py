@@ -11,6 +11,9 @@ exactly:
   Words in double brackets in the user's text steer it, for fault tests:
   ``[[slow N]]`` waits N ms per token, ``[[block N]]`` blocks its thread N ms
   per token without checking for cancellation, ``[[fail]]`` raises mid-stream.
+  Offered tools, it calls the one whose name the user says (see
+  :func:`fake_tool_call`), and answers ``You said: the result is …`` once a
+  function's result comes back.
 - :class:`ToneTTS` speaks each word as a 100 ms tone whose pitch depends on
   the word, then 20 ms of silence, at 22.05 kHz (so resampling is exercised);
   it fails on the word ``[[tts-fail]]``.
@@ -18,6 +21,7 @@ exactly:
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import zlib
@@ -94,9 +98,19 @@ class EchoLLM:
         temperature: float,
         should_stop: StopCheck,
         usage: LLMUsage,
+        tools: Sequence[dict[str, Any]] = (),
+        require_tool: bool = False,
     ) -> Iterator[str]:
         user = next((m.content for m in reversed(messages) if m.role == "user"), "")
         usage.input_tokens = sum(len(m.content.split()) for m in messages)
+        if tools:
+            call = fake_tool_call(messages, user, tools, require_tool)
+            if call is not None:
+                usage.output_tokens = len(call.split())
+                yield call
+                return
+        if messages and messages[-1].role == "tool":
+            user = f"the result is {messages[-1].content}"
         delay_s, block_s, fail = self.token_delay_ms / 1000, 0.0, False
         for kind, arg in _CONTROL.findall(user):
             if kind == "slow":
@@ -117,6 +131,43 @@ class EchoLLM:
                 raise RuntimeError("fake LLM failure requested by [[fail]]")
             usage.output_tokens += 1
             yield word if i == 0 else " " + word
+
+
+def fake_tool_call(
+    messages: Sequence[ChatMessage], user: str, tools: Sequence[dict[str, Any]], required: bool
+) -> str | None:
+    """The call :class:`EchoLLM` makes: to the tool the user's words name.
+
+    Arguments fill the schema's required properties (the word after the
+    tool's name for strings). ``[[bad-args]]`` in the user's words leaves
+    them out on the first try; ``[[always-bad]]`` on every try.
+    """
+    last = messages[-1] if messages else None
+    if last is not None and last.role == "tool" and not last.content.startswith("Error:"):
+        return None  # a result came back: answer in words
+    retry = last is not None and last.role == "tool"
+    words = user.replace("?", " ").replace(".", " ").split()
+    tool = next((t for t in tools if t.get("name") in words), tools[0] if required else None)
+    if tool is None:
+        return None
+    name = str(tool.get("name"))
+    args: dict[str, Any] = {}
+    broken = "[[always-bad]]" in user or ("[[bad-args]]" in user and not retry)
+    if not broken:
+        schema = tool.get("parameters") or {}
+        after = words[words.index(name) + 1] if name in words and words.index(name) + 1 < len(words) else "x"
+        for prop in schema.get("required", []):
+            spec = (schema.get("properties") or {}).get(prop, {})
+            kind = spec.get("type", "string")
+            if "enum" in spec:
+                args[prop] = spec["enum"][0]
+            elif kind in ("number", "integer"):
+                args[prop] = 1
+            elif kind == "boolean":
+                args[prop] = True
+            else:
+                args[prop] = after
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": args}) + "\n</tool_call>"
 
 
 class ToneTTS:

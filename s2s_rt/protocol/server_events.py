@@ -191,6 +191,23 @@ class TextDone(AudioDone):
     text: str
 
 
+class FunctionCallArgumentsDelta(ServerEvent):
+    response_id: str
+    item_id: str
+    output_index: int
+    call_id: str
+    delta: str
+
+
+class FunctionCallArgumentsDone(ServerEvent):
+    response_id: str
+    item_id: str
+    output_index: int
+    call_id: str
+    name: str
+    arguments: str
+
+
 class RateLimitsUpdated(ServerEvent):
     rate_limits: list[dict[str, Any]]
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import json
 import secrets
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -99,7 +100,6 @@ class ActiveResponse:
 
     id: str
     generation: int
-    item: se.Item
     in_conversation: bool
     modalities: list[str]
     voice: str
@@ -109,6 +109,12 @@ class ActiveResponse:
     temperature: float
     input_items: list[se.Item] | None
     metadata: dict[str, Any] | None
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    tool_choice: Any = "auto"
+    #: The assistant message item, made when the first text or audio arrives.
+    item: se.Item | None = None
+    #: Every output item in order (the message and any function calls).
+    outputs: list[se.Item] = field(default_factory=list)
     text: str = ""
     audio_ms: float = 0.0
     segments: list[SpokenSegment] = field(default_factory=list)
@@ -145,6 +151,7 @@ class Session:
         self.response: ActiveResponse | None = None
         # Spoken audio of assistant items, for truncation.
         self.spoken: dict[str, list[SpokenSegment]] = {}
+        #: Responses started in this session.
         self.turns = 0
 
     # --- event helpers -------------------------------------------------
@@ -442,7 +449,7 @@ class Session:
 
     def delete_item(self, ev: ce.ConversationItemDelete) -> list[se.ServerEvent]:
         self._find(ev.item_id, ev.event_id, "delete")
-        if self.response is not None and self.response.item.id == ev.item_id:
+        if self.response is not None and any(o.id == ev.item_id for o in self.response.outputs):
             raise ProtocolError(
                 "item_delete_active_response",
                 "Cannot delete the item of the response in progress; cancel it first",
@@ -510,7 +517,6 @@ class Session:
             content=[se.ContentPart(type="input_audio", transcript=None)],
         )
         prev = self._insert(item, None, None)
-        self.turns += 1
         return [
             self._ev(se.BufferCommitted, "input_audio_buffer.committed", previous_item_id=prev, item_id=item_id),
             *self.item_added_events(item, prev, done=True),
@@ -598,20 +604,13 @@ class Session:
         inputs = None
         if p.input is not UNSET:
             inputs = [self._item_from_client(i, event_id) for i in p.input]
-        audio = "audio" in modalities
-        part_type = self.dialect.part("output_audio" if audio else "output_text")
-        item = se.Item(
-            id=new_id("item"),
-            object="realtime.item",
-            type="message",
-            status="in_progress",
-            role="assistant",
-            content=[],
-        )
+        tools = cfg.tools if p.tools is UNSET else p.tools
+        tool_choice = cfg.tool_choice if p.tool_choice is UNSET else p.tool_choice
+        _check_tool_choice(tool_choice, tools, fail)
+        self.turns += 1
         self.response = r = ActiveResponse(
             id=new_id("resp"),
             generation=generation,
-            item=item,
             in_conversation=conversation == "auto",
             modalities=modalities,
             voice=voice,
@@ -621,29 +620,98 @@ class Session:
             temperature=temperature,
             input_items=inputs,
             metadata=p.metadata if p.metadata is not UNSET else None,
+            tools=tools,
+            tool_choice=tool_choice,
         )
-        events: list[se.ServerEvent] = [
-            self._ev(se.ResponseEvent, "response.created", response=self._render_response(r, "in_progress"))
-        ]
+        return [self._ev(se.ResponseEvent, "response.created", response=self._render_response(r, "in_progress"))]
+
+    def _add_output(self, r: ActiveResponse, item: se.Item) -> list[se.ServerEvent]:
+        """A new output item of ``r``: into the conversation (unless out of band) and announced."""
+        events: list[se.ServerEvent] = []
+        output_index = len(r.outputs)
+        r.outputs.append(item)
         if r.in_conversation:
             prev = self._insert(item, None, None)
             events += self.item_added_events(item, prev, done=False)
         events.append(
-            self._ev(se.OutputItemEvent, "response.output_item.added", response_id=r.id, output_index=0, item=item)
+            self._ev(
+                se.OutputItemEvent, "response.output_item.added", response_id=r.id, output_index=output_index, item=item
+            )
         )
-        part = se.ContentPart(type=part_type, transcript="" if audio else None, text=None if audio else "")
-        item.content = [part]
+        return events
+
+    def _open_message(self, r: ActiveResponse) -> list[se.ServerEvent]:
+        """Make the assistant message item on the first text or audio of ``r``."""
+        if r.item is not None:
+            return []
+        part_type = self.dialect.part("output_audio" if r.audio else "output_text")
+        part = se.ContentPart(type=part_type, transcript="" if r.audio else None, text=None if r.audio else "")
+        r.item = se.Item(
+            id=new_id("item"),
+            object="realtime.item",
+            type="message",
+            status="in_progress",
+            role="assistant",
+            content=[part],
+        )
+        events = self._add_output(r, r.item)
         events.append(
             self._ev(
                 se.ContentPartEvent,
                 "response.content_part.added",
-                response_id=r.id,
-                item_id=item.id,
-                output_index=0,
-                content_index=0,
                 part=se.ContentPart(type=part_type, transcript=part.transcript, text=part.text),
+                **self._ids(r),
             )
         )
+        return events
+
+    def _ids(self, r: ActiveResponse) -> dict[str, Any]:
+        assert r.item is not None
+        return {
+            "response_id": r.id,
+            "item_id": r.item.id,
+            "output_index": r.outputs.index(r.item),
+            "content_index": 0,
+        }
+
+    def function_call(self, r: ActiveResponse, name: str, arguments: str) -> list[se.ServerEvent]:
+        """The model called a tool: a ``function_call`` output item, complete."""
+        call_id = new_id("call")
+        item = se.Item(
+            id=new_id("item"),
+            object="realtime.item",
+            type="function_call",
+            status="in_progress",
+            call_id=call_id,
+            name=name,
+            arguments="",
+        )
+        events = self._add_output(r, item)
+        output_index = len(r.outputs) - 1
+        common = {"response_id": r.id, "item_id": item.id, "output_index": output_index, "call_id": call_id}
+        events.append(
+            self._ev(se.FunctionCallArgumentsDelta, "response.function_call_arguments.delta", delta=arguments, **common)
+        )
+        events.append(
+            self._ev(
+                se.FunctionCallArgumentsDone,
+                "response.function_call_arguments.done",
+                name=name,
+                arguments=arguments,
+                **common,
+            )
+        )
+        item.arguments = arguments
+        item.status = "completed"
+        events.append(
+            self._ev(
+                se.OutputItemEvent, "response.output_item.done", response_id=r.id, output_index=output_index, item=item
+            )
+        )
+        if r.in_conversation and not self.dialect.beta:
+            events.append(
+                self._ev(se.ItemEvent, "conversation.item.done", previous_item_id=self._previous(item.id), item=item)
+            )
         return events
 
     def prompt(self, r: ActiveResponse) -> list[ChatMessage]:
@@ -652,43 +720,34 @@ class Session:
         if r.input_items is not None:
             items = r.input_items
         else:
-            items = [self.items[i] for i in self.order if i != r.item.id]
+            own = {o.id for o in r.outputs}
+            items = [self.items[i] for i in self.order if i not in own]
         for item in items:
             if item.type == "message" and item.role is not None:
                 text = " ".join(t for t in (_content_text(c) for c in item.content or []) if t)
                 if text:
                     messages.append(ChatMessage(item.role, text))
             elif item.type == "function_call":
-                messages.append(ChatMessage("assistant", f"(called {item.name} with {item.arguments})"))
+                call = json.dumps({"name": item.name, "arguments": _json_or_text(item.arguments or "{}")})
+                messages.append(ChatMessage("assistant", f"<tool_call>\n{call}\n</tool_call>"))
             elif item.type == "function_call_output":
-                messages.append(ChatMessage("user", f"(function result: {item.output})"))
+                messages.append(ChatMessage("tool", item.output or ""))
         return messages
 
-    def text_delta(self, r: ActiveResponse, delta: str) -> se.ServerEvent:
+    def text_delta(self, r: ActiveResponse, delta: str) -> list[se.ServerEvent]:
         """A piece of a text-only response."""
+        events = self._open_message(r)
         r.text += delta
-        return self._ev(
-            se.DeltaEvent,
-            "response.output_text.delta",
-            response_id=r.id,
-            item_id=r.item.id,
-            output_index=0,
-            content_index=0,
-            delta=delta,
-        )
+        events.append(self._ev(se.DeltaEvent, "response.output_text.delta", delta=delta, **self._ids(r)))
+        return events
 
     def audio_events(self, r: ActiveResponse, chunks: list[bytes], text: str, ms: float) -> list[se.ServerEvent]:
         """Audio deltas for one spoken segment, then its transcript delta."""
-        events: list[se.ServerEvent] = [
-            self._ev(
-                se.DeltaEvent,
-                "response.output_audio.delta",
-                response_id=r.id,
-                item_id=r.item.id,
-                output_index=0,
-                content_index=0,
-                delta=base64.b64encode(chunk).decode("ascii"),
-            )
+        events = self._open_message(r)
+        assert r.item is not None
+        ids = self._ids(r)
+        events += [
+            self._ev(se.DeltaEvent, "response.output_audio.delta", delta=base64.b64encode(chunk).decode("ascii"), **ids)
             for chunk in chunks
         ]
         segment = SpokenSegment(text, r.audio_ms, r.audio_ms + ms)
@@ -701,17 +760,7 @@ class Session:
             r.text += delta
             if r.item.content:
                 r.item.content[0].transcript = r.text
-            events.append(
-                self._ev(
-                    se.DeltaEvent,
-                    "response.output_audio_transcript.delta",
-                    response_id=r.id,
-                    item_id=r.item.id,
-                    output_index=0,
-                    content_index=0,
-                    delta=delta,
-                )
-            )
+            events.append(self._ev(se.DeltaEvent, "response.output_audio_transcript.delta", delta=delta, **ids))
         return events
 
     def finish_response(self, r: ActiveResponse) -> list[se.ServerEvent]:
@@ -719,26 +768,33 @@ class Session:
         if self.response is not r:
             return []
         self.response = None
-        r.item.status = "completed"
-        ids = {"response_id": r.id, "item_id": r.item.id, "output_index": 0, "content_index": 0}
         events: list[se.ServerEvent] = []
-        if r.audio:
-            events.append(self._ev(se.AudioDone, "response.output_audio.done", **ids))
+        if r.item is not None:
+            r.item.status = "completed"
+            ids = self._ids(r)
+            if r.audio:
+                events.append(self._ev(se.AudioDone, "response.output_audio.done", **ids))
+                events.append(
+                    self._ev(se.TranscriptDone, "response.output_audio_transcript.done", transcript=r.text, **ids)
+                )
+                part = se.ContentPart(type=self.dialect.part("output_audio"), transcript=r.text)
+            else:
+                events.append(self._ev(se.TextDone, "response.output_text.done", text=r.text, **ids))
+                part = se.ContentPart(type=self.dialect.part("output_text"), text=r.text)
+            r.item.content = [part]
+            events.append(self._ev(se.ContentPartEvent, "response.content_part.done", part=part, **ids))
             events.append(
-                self._ev(se.TranscriptDone, "response.output_audio_transcript.done", transcript=r.text, **ids)
+                self._ev(
+                    se.OutputItemEvent,
+                    "response.output_item.done",
+                    response_id=r.id,
+                    output_index=ids["output_index"],
+                    item=r.item,
+                )
             )
-            part = se.ContentPart(type=self.dialect.part("output_audio"), transcript=r.text)
-        else:
-            events.append(self._ev(se.TextDone, "response.output_text.done", text=r.text, **ids))
-            part = se.ContentPart(type=self.dialect.part("output_text"), text=r.text)
-        r.item.content = [part]
-        events.append(self._ev(se.ContentPartEvent, "response.content_part.done", part=part, **ids))
-        events.append(
-            self._ev(se.OutputItemEvent, "response.output_item.done", response_id=r.id, output_index=0, item=r.item)
-        )
-        if r.in_conversation and not self.dialect.beta:
-            prev = self._previous(r.item.id)
-            events.append(self._ev(se.ItemEvent, "conversation.item.done", previous_item_id=prev, item=r.item))
+            if r.in_conversation and not self.dialect.beta:
+                prev = self._previous(r.item.id)
+                events.append(self._ev(se.ItemEvent, "conversation.item.done", previous_item_id=prev, item=r.item))
         events.append(self._response_done(r, "completed", None))
         return events
 
@@ -763,19 +819,25 @@ class Session:
                 event_id=event_id,
             )
         self.response = None
+        self._close_incomplete(r)
+        return [self._response_done(r, "cancelled", {"type": "cancelled", "reason": reason})]
+
+    def _close_incomplete(self, r: ActiveResponse) -> None:
+        if r.item is None:
+            return
         r.item.status = "incomplete"
         if r.item.content:
-            r.item.content[0].transcript = r.text if r.audio else None
-            if not r.audio:
+            if r.audio:
+                r.item.content[0].transcript = r.text
+            else:
                 r.item.content[0].text = r.text
-        return [self._response_done(r, "cancelled", {"type": "cancelled", "reason": reason})]
 
     def fail_response(self, r: ActiveResponse, code: str, message: str) -> list[se.ServerEvent]:
         """End the response as failed, with an ``error`` event for the client."""
         if self.response is not r:
             return []
         self.response = None
-        r.item.status = "incomplete"
+        self._close_incomplete(r)
         details = {"type": "failed", "error": {"type": "server_error", "code": code, "message": message}}
         return [
             self._response_done(r, "failed", details),
@@ -800,7 +862,7 @@ class Session:
             object="realtime.response",
             status=status,
             status_details=details,
-            output=[r.item] if status != "in_progress" else [],
+            output=list(r.outputs) if status != "in_progress" else [],
             conversation_id=self.conversation_id if r.in_conversation else None,
             output_modalities=r.modalities,
             max_output_tokens=r.max_output_tokens,
@@ -859,6 +921,29 @@ def heard_text(segments: list[SpokenSegment], audio_end_ms: float) -> str:
             share = (audio_end_ms - s.start_ms) / max(s.end_ms - s.start_ms, 1e-9)
             words += seg_words[: int(len(seg_words) * share)]
     return " ".join(words)
+
+
+def _json_or_text(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
+
+
+def _check_tool_choice(
+    choice: Any, tools: list[dict[str, Any]], fail: Callable[[str, str, str], ProtocolError]
+) -> None:
+    names = {t.get("name") for t in tools}
+    if choice in ("auto", "none", "required"):
+        if choice == "required" and not tools:
+            raise fail("invalid_value", "tool_choice 'required' needs at least one tool", "tool_choice")
+        return
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        name = choice.get("name") or (choice.get("function") or {}).get("name")
+        if name not in names:
+            raise fail("invalid_value", f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
+        return
+    raise fail("invalid_value", "tool_choice must be auto, none, required or {type: function, name}", "tool_choice")
 
 
 def _content_text(c: se.ContentPart) -> str | None:

@@ -1,0 +1,160 @@
+"""Function calling over the Realtime protocol, exactly, on the fake stack."""
+
+from __future__ import annotations
+
+import json
+
+from openai import AsyncOpenAI
+
+from conftest import RealtimeClient, live_server, run
+
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "Current weather in a city",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"],
+    },
+}
+REMINDER = {
+    "type": "function",
+    "name": "set_reminder",
+    "parameters": {"type": "object", "properties": {"minutes": {"type": "integer"}}, "required": ["minutes"]},
+}
+
+
+async def _ask(c: RealtimeClient, text: str, **response: object) -> dict:
+    await c.send(
+        "conversation.item.create",
+        item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]},
+    )
+    await c.send("response.create", **({"response": response} if response else {}))
+    return await c.until("response.done")
+
+
+def test_model_call_becomes_function_call_item_and_result_is_spoken() -> None:
+    async def scenario() -> None:
+        async with live_server() as server:
+            async with RealtimeClient.connect(server) as c:
+                await c.send("session.update", session={"tools": [WEATHER, REMINDER], "tool_choice": "auto"})
+                done = await _ask(c, "please get_weather Paris now")
+                [item] = done["response"]["output"]
+                assert item["type"] == "function_call" and item["name"] == "get_weather"
+                assert json.loads(item["arguments"]) == {"city": "Paris", "unit": "celsius"}
+                added = c.of_type("response.output_item.added")[-1]
+                assert added["item"]["type"] == "function_call" and added["item"]["call_id"] == item["call_id"]
+                args_done = c.of_type("response.function_call_arguments.done")[-1]
+                assert args_done["call_id"] == item["call_id"] and args_done["name"] == "get_weather"
+                assert "".join(d["delta"] for d in c.of_type("response.function_call_arguments.delta")) == item["arguments"]
+                # Nothing of the call was spoken.
+                assert not c.of_type("response.output_audio.delta")
+                assert not any("tool_call" in json.dumps(e) for e in c.events if "delta" in e and "audio" in e["type"])
+                # The client runs the function and hands back the result.
+                await c.send(
+                    "conversation.item.create",
+                    item={"type": "function_call_output", "call_id": item["call_id"], "output": '{"temp": 21}'},
+                )
+                await c.until("conversation.item.added")
+                await c.send("response.create")
+                answer = await c.until("response.done")
+                spoken = answer["response"]["output"][0]["content"][0]["transcript"]
+                assert spoken == 'You said: the result is {"temp": 21}.'
+                assert c.of_type("response.output_audio.delta")
+
+    run(scenario())
+
+
+def test_function_call_output_with_unknown_call_id_is_an_error() -> None:
+    async def scenario() -> None:
+        async with live_server() as server:
+            async with RealtimeClient.connect(server) as c:
+                await c.send(
+                    "conversation.item.create",
+                    event_id="fco",
+                    item={"type": "function_call_output", "call_id": "call_nope", "output": "{}"},
+                )
+                err = await c.until("error")
+                assert err["error"]["code"] == "unknown_call_id" and err["error"]["event_id"] == "fco"
+
+    run(scenario())
+
+
+def test_tool_choice_none_required_and_named() -> None:
+    async def scenario() -> None:
+        async with live_server() as server:
+            async with RealtimeClient.connect(server) as c:
+                await c.send("session.update", session={"tools": [WEATHER, REMINDER]})
+                none = await _ask(c, "get_weather Oslo", tool_choice="none")
+                assert none["response"]["output"][0]["type"] == "message"
+                required = await _ask(c, "hello there", tool_choice="required", output_modalities=["text"])
+                assert required["response"]["output"][0]["name"] == "get_weather"
+                named = await _ask(c, "hello again", tool_choice={"type": "function", "name": "set_reminder"})
+                assert named["response"]["output"][0]["name"] == "set_reminder"
+                assert json.loads(named["response"]["output"][0]["arguments"]) == {"minutes": 1}
+                await c.send("response.create", event_id="bad", response={"tool_choice": {"type": "function", "name": "nope"}})
+                assert (await c.until("error"))["error"]["param"] == "response.tool_choice"
+
+    run(scenario())
+
+
+def test_tools_per_response_without_session_tools() -> None:
+    async def scenario() -> None:
+        async with live_server() as server:
+            async with RealtimeClient.connect(server) as c:
+                done = await _ask(c, "set_reminder please", tools=[REMINDER])
+                assert done["response"]["output"][0]["name"] == "set_reminder"
+                plain = await _ask(c, "set_reminder please")
+                assert plain["response"]["output"][0]["type"] == "message"
+
+    run(scenario())
+
+
+def test_invalid_arguments_are_retried_once_then_reported_as_text() -> None:
+    async def scenario() -> None:
+        async with live_server() as server:
+            async with RealtimeClient.connect(server) as c:
+                await c.send("session.update", session={"tools": [WEATHER]})
+                fixed = await _ask(c, "get_weather Rome [[bad-args]]")
+                assert fixed["response"]["output"][0]["type"] == "function_call"
+                assert json.loads(fixed["response"]["output"][0]["arguments"])["city"] == "Rome"
+                hopeless = await _ask(c, "get_weather Rome [[always-bad]]")
+                [message] = hopeless["response"]["output"]
+                assert message["type"] == "message"
+                said = message["content"][0]["transcript"]
+                assert said.startswith("Sorry, I could not make that call") and "city is required" in said
+
+    run(scenario())
+
+
+def test_openai_sdk_function_call_round_trip() -> None:
+    async def scenario() -> None:
+        async with live_server() as server:
+            client = AsyncOpenAI(api_key="sk-local", websocket_base_url=f"ws://127.0.0.1:{server.port}/v1")
+            async with client.realtime.connect(model="s2s-rt") as conn:
+                await conn.session.update(session={"type": "realtime", "output_modalities": ["text"], "tools": [WEATHER]})
+                await conn.conversation.item.create(
+                    item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": "get_weather Lima"}]}
+                )
+                await conn.response.create()
+                call = None
+                async for event in conn:
+                    if event.type == "response.function_call_arguments.done":
+                        call = event
+                    if event.type == "response.done":
+                        break
+                assert call is not None and call.name == "get_weather"
+                await conn.conversation.item.create(
+                    item={"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}
+                )
+                await conn.response.create()
+                text = ""
+                async for event in conn:
+                    if event.type == "response.output_text.delta":
+                        text += event.delta
+                    if event.type == "response.done":
+                        break
+                assert text == "You said: the result is sunny."
+
+    run(scenario())
