@@ -54,11 +54,18 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
     sub.add_parser("models", help="prepare, list or verify the model cache (s2s-rt models --help)", add_help=False)
+    sub.add_parser(
+        "talk", help="say one thing (a WAV or text) and save the spoken answer (s2s-rt talk --help)", add_help=False
+    )
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["models"]:
         from s2s_rt.models.cli import main as models_main
 
         return models_main(argv[1:])
+    if argv[:1] == ["talk"]:
+        from s2s_rt.talk import main as talk_main
+
+        return talk_main(argv[1:])
     args = parser.parse_args(argv)
     if args.command == "serve":
         overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
