@@ -25,6 +25,11 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--stt-model", dest="stt_model", help="a CTranslate2 Whisper directory")
     p.add_argument("--voice", dest="voices", action="append", help="an extra Piper voice .onnx; repeatable")
     p.add_argument(
+        "--workers",
+        type=int,
+        help="run N servers on ports --port .. --port+N-1 and print their HAProxy lines (see deploy/README.md)",
+    )
+    p.add_argument(
         "--drain-timeout", type=float, dest="drain_timeout_s", help="seconds before a stuck slot is quarantined"
     )
     p.add_argument("--grace-period", type=float, dest="grace_period_s", help="seconds running turns get on shutdown")
@@ -68,12 +73,23 @@ def main(argv: list[str] | None = None) -> int:
         return talk_main(argv[1:])
     args = parser.parse_args(argv)
     if args.command == "serve":
-        overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
+        overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config", "workers")}
         try:
             config = load_config(args.config, overrides=overrides)
         except ConfigError as exc:
             print(f"s2s-rt: {exc}", file=sys.stderr)
             return 2
+        if args.workers is not None:
+            from s2s_rt.workers import run_workers, worker_devices
+
+            return run_workers(
+                args.workers,
+                argv[argv.index("serve") + 1 :],
+                config.port,
+                config.host,
+                worker_devices(config.device, args.workers),
+                pool_size=config.pool_size,
+            )
         setup_logging(config.log_level, config.log_format)
         from s2s_rt.models import ModelError
 

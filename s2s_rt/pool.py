@@ -39,6 +39,9 @@ class Pool:
         counts = Counter(s.state.value for s in self.slots)
         return {state.value: counts.get(state.value, 0) for state in SlotState}
 
+    def draining(self) -> int:
+        return sum(1 for s in self.slots if s.state is SlotState.DRAINING)
+
     def busy(self) -> int:
         return sum(1 for s in self.slots if s.state in (SlotState.ACTIVE, SlotState.DRAINING))
 

@@ -279,7 +279,7 @@ class Server:
             text = f"At most {cfg.max_connections_per_ip} concurrent connections per client address"
             await self._refuse(ws, "too_many_connections", text, 1008)
             return
-        slot = None if self.closing or self.draining else self.pool.claim()
+        slot = None if self.closing or self.draining else await self._claim()
         if slot is None:
             if self.closing or self.draining:
                 await self._refuse(ws, "shutting_down", "The server is not taking new sessions", 1013)
@@ -337,6 +337,27 @@ class Server:
                     }
                 },
             )
+
+    async def _claim(self) -> Slot | None:
+        """A free slot, or one about to be free.
+
+        A load balancer counts a session as gone when its TCP connection
+        closes, a moment before the slot has drained. A client sent in that
+        gap waits (briefly) for the draining slot instead of being refused.
+        """
+        assert self.pool is not None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + min(self.config.drain_timeout_s, 2.0)
+        while True:
+            slot = self.pool.claim()
+            if slot is not None or not self.pool.draining() or self.closing or self.draining:
+                return slot
+            self._changed.clear()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await self._changed.wait()
+            except TimeoutError:
+                return self.pool.claim()
 
     async def _receive_loop(self, ws: ServerConnection, slot: Slot) -> str | None:
         """Feed the client's frames to its slot until the socket closes or a limit ends the session.

@@ -29,20 +29,18 @@ def test_pool_full_rejects_with_session_limit_reached_and_1013() -> None:
     run(scenario())
 
 
-def test_freed_slot_is_claimable_within_a_second() -> None:
+def test_freed_slot_is_claimable_at_once_even_while_it_drains() -> None:
     async def scenario() -> None:
         async with live_server(pool_size=1) as server:
-            async with RealtimeClient.connect(server) as a:
-                await a.until("session.created")
-            loop = asyncio.get_running_loop()
-            t0 = loop.time()
-            while True:
+            for _ in range(5):
+                async with RealtimeClient.connect(server) as a:
+                    await a.until("session.created")
+                # The slot may still be draining: the next client waits for it, not refused.
+                loop = asyncio.get_running_loop()
+                t0 = loop.time()
                 async with RealtimeClient.connect(server) as b:
-                    first = await b.recv()
-                    if first["type"] == "session.created":
-                        break
-                assert loop.time() - t0 < 1.0, "slot not free within a second"
-            assert loop.time() - t0 < 1.0
+                    assert (await b.recv())["type"] == "session.created"
+                assert loop.time() - t0 < 1.0
 
     run(scenario())
 
