@@ -57,7 +57,7 @@ class StagePool:
     def _set_capacity(self) -> None:
         # ThreadPoolExecutor starts a new thread per submit while below
         # _max_workers; raising it is the only way to add room for stuck threads.
-        self.executor._max_workers = self.workers + self.overdue  # noqa: SLF001
+        self.executor._max_workers = self.workers + self.overdue
 
     def _mark_overdue(self, future: concurrent.futures.Future[Any]) -> None:
         self.overdue += 1

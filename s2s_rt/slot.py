@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import logging
 import re
 import time
@@ -543,27 +544,26 @@ class Slot:
             case ce.InputAudioBufferClear():
                 await self.vad_q.put(BufferCommand(gen, "clear", ev.event_id))
             case ce.SessionUpdate():
-                events = session.update(ev)
+                events = session.handle(ev, gen)
                 self._apply_settings(ctx)
                 await self.emit(events)
-            case ce.ConversationItemCreate():
-                await self.emit(session.create_item(ev))
-            case ce.ConversationItemRetrieve():
-                await self.emit(session.retrieve_item(ev))
-            case ce.ConversationItemTruncate():
-                await self.emit(session.truncate_item(ev))
-            case ce.ConversationItemDelete():
-                await self.emit(session.delete_item(ev))
+            case (
+                ce.ConversationItemCreate()
+                | ce.ConversationItemRetrieve()
+                | ce.ConversationItemTruncate()
+                | ce.ConversationItemDelete()
+            ):
+                await self.emit(session.handle(ev, gen))
             case ce.ResponseCreate():
                 # The generation moves only if the response really starts.
-                events = session.start_response(ev.response, gen + 1, ev.event_id)
+                events = session.handle(ev, gen + 1)
                 response_gen = self.generation.advance()
                 assert session.response is not None
                 self._timings[session.response.id] = TurnTiming()
                 await self.emit(events)
                 await self.vad_q.put(ResponseRequest(response_gen, session.response))
             case ce.ResponseCancel():
-                events = session.cancel_response("client_cancelled", ev.response_id, ev.event_id)
+                events = session.handle(ev, gen)
                 self.generation.advance()
                 self.metrics.turns.inc(status="cancelled")
                 await self.emit(events)
@@ -802,7 +802,8 @@ class Slot:
             splitter = ToolCallFilter()
             try:
                 async for piece in self.pools["llm"].stream(
-                    lambda: self.stack.llm.stream(
+                    functools.partial(
+                        self.stack.llm.stream,
                         messages,
                         max_tokens=r.token_limit,
                         temperature=r.temperature,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import re
 import urllib.error
 import urllib.request
 from collections.abc import Awaitable, Callable
@@ -102,6 +103,22 @@ class RealtimeClient:
 
     def of_type(self, type: str) -> list[dict[str, Any]]:
         return [e for e in self.events if e["type"] == type]
+
+
+def words(text: str) -> list[str]:
+    """Lower-case words without punctuation, for comparing transcripts."""
+    return re.sub(r"[^a-z0-9' ]+", " ", text.lower()).split()
+
+
+def word_error_rate(reference: str, hypothesis: str) -> float:
+    """Word-level edit distance over the reference's length."""
+    ref, hyp = words(reference), words(hypothesis)
+    d = list(range(len(hyp) + 1))
+    for i, r in enumerate(ref, 1):
+        prev, d[0] = d[0], i
+        for j, h in enumerate(hyp, 1):
+            prev, d[j] = d[j], min(d[j] + 1, d[j - 1] + 1, prev + (r != h))
+    return d[len(hyp)] / max(len(ref), 1)
 
 
 async def http_get(server: Server, path: str) -> tuple[int, str]:

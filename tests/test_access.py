@@ -5,9 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from websockets.exceptions import InvalidStatus
-
 from conftest import RealtimeClient, http_get, live_server, run
+from websockets.exceptions import InvalidStatus
 
 
 def _status(exc: pytest.ExceptionInfo[InvalidStatus]) -> int:

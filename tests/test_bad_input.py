@@ -7,7 +7,7 @@ import base64
 import json
 
 import pytest
-from conftest import RealtimeClient, http_get, live_server, run, tone
+from conftest import RealtimeClient, eventually, http_get, live_server, run, tone
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from websockets.exceptions import ConnectionClosed
@@ -57,7 +57,13 @@ CASES = [
     ),
     (
         "unsupported rate",
-        '{"type": "session.update", "event_id": "e1", "session": {"audio": {"input": {"format": {"type": "audio/pcm", "rate": 44100}}}}}',
+        json.dumps(
+            {
+                "type": "session.update",
+                "event_id": "e1",
+                "session": {"audio": {"input": {"format": {"type": "audio/pcm", "rate": 44100}}}},
+            }
+        ),
         "unsupported_audio_format",
     ),
     ("binary frame", b"\x00\x01binary", "invalid_event"),
@@ -127,11 +133,11 @@ def test_frame_above_max_size_closes_only_that_connection_with_1009() -> None:
                 assert big.ws.close_code == 1009
                 done = await other.say_text("fine")
                 assert done["response"]["status"] == "completed"
-            status, body = await http_get(server, "/v1/pool")
             # The slot comes back.
-            await asyncio.sleep(0.2)
-            _status, body = await http_get(server, "/v1/pool")
-            assert json.loads(body)["states"]["idle"] == 2
+            async def both_idle() -> bool:
+                return json.loads((await http_get(server, "/v1/pool"))[1])["states"]["idle"] == 2
+
+            assert await eventually(both_idle, 2.0)
 
     run(scenario())
 

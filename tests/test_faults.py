@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import resource
 import socket
 import time
 
 import pytest
+from conftest import RealtimeClient, eventually, http_get, live_server, run, silence, tone
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-from conftest import RealtimeClient, eventually, http_get, live_server, run, silence, tone
 from s2s_rt.protocol import session as session_module
 
 
@@ -79,7 +78,11 @@ def test_crashed_stage_restarts_its_slot_and_the_slot_serves_again(monkeypatch: 
             async with RealtimeClient.connect(server) as c:
                 await c.send(
                     "conversation.item.create",
-                    item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": "crash the stage"}]},
+                    item={
+                        "type": "message",
+                        "role": "user",
+                        "content": [{"type": "input_text", "text": "crash the stage"}],
+                    },
                 )
                 await c.send("response.create")
                 with pytest.raises(ConnectionClosed):
@@ -142,9 +145,30 @@ def test_client_that_stops_reading_is_closed_with_1008_and_others_are_unaffected
             async with RealtimeClient.connect(server) as other:
                 before = [await latency(other) for _ in range(3)]
                 async with connect(f"ws://127.0.0.1:{server.port}/v1/realtime", sock=sock, max_queue=1) as lazy:
-                    await lazy.send(json.dumps({"type": "session.update", "session": {"output_modalities": ["audio"], "audio": {"output": {"format": {"type": "audio/pcm", "rate": 48000}}}}}))
+                    await lazy.send(
+                        json.dumps(
+                            {
+                                "type": "session.update",
+                                "session": {
+                                    "output_modalities": ["audio"],
+                                    "audio": {"output": {"format": {"type": "audio/pcm", "rate": 48000}}},
+                                },
+                            }
+                        )
+                    )
                     words = " ".join(f"word{i}." for i in range(400))
-                    await lazy.send(json.dumps({"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [{"type": "input_text", "text": words}]}}))
+                    await lazy.send(
+                        json.dumps(
+                            {
+                                "type": "conversation.item.create",
+                                "item": {
+                                    "type": "message",
+                                    "role": "user",
+                                    "content": [{"type": "input_text", "text": words}],
+                                },
+                            }
+                        )
+                    )
                     rss_before = _rss_mb()
                     await lazy.send(json.dumps({"type": "response.create"}))
                     # The lazy client never reads. Meanwhile the other session is measured.
@@ -243,7 +267,9 @@ def test_per_address_connection_limit() -> None:
     run(scenario())
 
 
-@pytest.mark.parametrize(("limits", "why"), [({"max_session_s": 1.0}, "maximum duration"), ({"idle_session_s": 0.5}, "idle")])
+@pytest.mark.parametrize(
+    ("limits", "why"), [({"max_session_s": 1.0}, "maximum duration"), ({"idle_session_s": 0.5}, "idle")]
+)
 def test_session_expiry_sends_session_expired_then_1001(limits: dict, why: str) -> None:
     async def scenario() -> None:
         async with live_server(**limits) as server:

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import json
 
-from openai import AsyncOpenAI
-
 from conftest import RealtimeClient, live_server, run
+from openai import AsyncOpenAI
 
 WEATHER = {
     "type": "function",
@@ -47,7 +46,10 @@ def test_model_call_becomes_function_call_item_and_result_is_spoken() -> None:
                 assert added["item"]["type"] == "function_call" and added["item"]["call_id"] == item["call_id"]
                 args_done = c.of_type("response.function_call_arguments.done")[-1]
                 assert args_done["call_id"] == item["call_id"] and args_done["name"] == "get_weather"
-                assert "".join(d["delta"] for d in c.of_type("response.function_call_arguments.delta")) == item["arguments"]
+                assert (
+                    "".join(d["delta"] for d in c.of_type("response.function_call_arguments.delta"))
+                    == item["arguments"]
+                )
                 # Nothing of the call was spoken.
                 assert not c.of_type("response.output_audio.delta")
                 assert not any("tool_call" in json.dumps(e) for e in c.events if "delta" in e and "audio" in e["type"])
@@ -93,7 +95,9 @@ def test_tool_choice_none_required_and_named() -> None:
                 named = await _ask(c, "hello again", tool_choice={"type": "function", "name": "set_reminder"})
                 assert named["response"]["output"][0]["name"] == "set_reminder"
                 assert json.loads(named["response"]["output"][0]["arguments"]) == {"minutes": 1}
-                await c.send("response.create", event_id="bad", response={"tool_choice": {"type": "function", "name": "nope"}})
+                await c.send(
+                    "response.create", event_id="bad", response={"tool_choice": {"type": "function", "name": "nope"}}
+                )
                 assert (await c.until("error"))["error"]["param"] == "response.tool_choice"
 
     run(scenario())
@@ -133,9 +137,15 @@ def test_openai_sdk_function_call_round_trip() -> None:
         async with live_server() as server:
             client = AsyncOpenAI(api_key="sk-local", websocket_base_url=f"ws://127.0.0.1:{server.port}/v1")
             async with client.realtime.connect(model="s2s-rt") as conn:
-                await conn.session.update(session={"type": "realtime", "output_modalities": ["text"], "tools": [WEATHER]})
+                await conn.session.update(
+                    session={"type": "realtime", "output_modalities": ["text"], "tools": [WEATHER]}
+                )
                 await conn.conversation.item.create(
-                    item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": "get_weather Lima"}]}
+                    item={
+                        "type": "message",
+                        "role": "user",
+                        "content": [{"type": "input_text", "text": "get_weather Lima"}],
+                    }
                 )
                 await conn.response.create()
                 call = None

@@ -6,8 +6,8 @@ import json
 import logging
 
 import pytest
-
 from conftest import RealtimeClient, live_server, run
+
 from s2s_rt.logs import JsonFormatter
 
 

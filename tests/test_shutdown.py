@@ -11,16 +11,27 @@ import time
 import urllib.error
 import urllib.request
 
+from conftest import run
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
-
-from conftest import run
 
 
 def _start(pool_size: int, grace: float) -> tuple[subprocess.Popen[str], int]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "s2s_rt", "serve", "--stack", "fake", "--port", "0",
-         "--pool-size", str(pool_size), "--grace-period", str(grace)],
+        [
+            sys.executable,
+            "-m",
+            "s2s_rt",
+            "serve",
+            "--stack",
+            "fake",
+            "--port",
+            "0",
+            "--pool-size",
+            str(pool_size),
+            "--grace-period",
+            str(grace),
+        ],
         stderr=subprocess.PIPE,
         text=True,
     )
@@ -48,7 +59,20 @@ def test_sigterm_with_eight_sessions_mid_turn() -> None:
 
     async def session(n: int, started: asyncio.Event, results: list) -> None:
         async with connect(url) as ws:
-            await ws.send(json.dumps({"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [{"type": "input_text", "text": f"[[slow 150]] session {n} says one. two. three."}]}}))
+            await ws.send(
+                json.dumps(
+                    {
+                        "type": "conversation.item.create",
+                        "item": {
+                            "type": "message",
+                            "role": "user",
+                            "content": [
+                                {"type": "input_text", "text": f"[[slow 150]] session {n} says one. two. three."}
+                            ],
+                        },
+                    }
+                )
+            )
             await ws.send(json.dumps({"type": "response.create"}))
             status = None
             try:

@@ -13,7 +13,16 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_short_soak_leaves_every_slot_idle_and_no_descriptor_open(tmp_path: Path) -> None:
     out = tmp_path / "soak.json"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bin" / "s2s-rt-soak"), "--minutes", "0.25", "--sessions", "10", "--json", str(out)],
+        [
+            sys.executable,
+            str(ROOT / "bin" / "s2s-rt-soak"),
+            "--minutes",
+            "0.25",
+            "--sessions",
+            "10",
+            "--json",
+            str(out),
+        ],
         capture_output=True,
         text=True,
         timeout=120,

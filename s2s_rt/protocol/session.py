@@ -179,6 +179,34 @@ class Session:
             ),
         ]
 
+    def handle(self, ev: ce.ClientEvent, generation: int) -> list[se.ServerEvent]:
+        """Apply a client event that concerns the conversation, not the audio buffer.
+
+        Args:
+            ev: any client event but ``input_audio_buffer.*`` (those belong to
+                the audio pipeline).
+            generation: the generation a ``response.create`` would start.
+
+        Raises:
+            ProtocolError: the event cannot be honoured.
+        """
+        match ev:
+            case ce.SessionUpdate():
+                return self.update(ev)
+            case ce.ConversationItemCreate():
+                return self.create_item(ev)
+            case ce.ConversationItemRetrieve():
+                return self.retrieve_item(ev)
+            case ce.ConversationItemTruncate():
+                return self.truncate_item(ev)
+            case ce.ConversationItemDelete():
+                return self.delete_item(ev)
+            case ce.ResponseCreate():
+                return self.start_response(ev.response, generation, ev.event_id)
+            case ce.ResponseCancel():
+                return self.cancel_response("client_cancelled", ev.response_id, ev.event_id)
+        raise TypeError(f"{type(ev).__name__} is handled by the audio pipeline")
+
     # --- session.update ----------------------------------------------
 
     def update(self, ev: ce.SessionUpdate) -> list[se.ServerEvent]:
