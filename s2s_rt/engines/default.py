@@ -1,0 +1,102 @@
+"""The default stack: Silero VAD, Whisper STT, a CTranslate2 chat LLM, Piper TTS."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TypeVar
+
+from s2s_rt.engines.base import Stack
+from s2s_rt.engines.device import resolve_device
+from s2s_rt.engines.piper import PiperTTS
+from s2s_rt.engines.silero import SileroVAD
+from s2s_rt.engines.whisper import WhisperSTT
+
+_Engine = TypeVar("_Engine")
+
+
+def load_default_stack(
+    *,
+    vad_model: Path,
+    whisper_dir: Path,
+    llm_dir: Path,
+    voices: Mapping[str, Path],
+    device: str = "auto",
+    stt_threads: int = 1,
+    llm_threads: int = 1,
+    tts_threads: int = 1,
+    vad_threads: int = 1,
+) -> Stack:
+    """Load each of the four engines once, for every slot of the process.
+
+    Args:
+        vad_model: ``silero_vad.onnx``.
+        whisper_dir: a CTranslate2 Whisper conversion.
+        llm_dir: a CTranslate2 decoder LLM with its tokenizer.
+        voices: Piper voice name -> ``.onnx`` path; the first is the default.
+        device: ``auto``, ``cpu``, ``cuda`` or ``cuda:N`` (see
+            :func:`s2s_rt.engines.device.resolve_device`).
+        stt_threads: threads one transcription may use.
+        llm_threads: threads one LLM generation may use.
+        tts_threads: threads one sentence's synthesis may use.
+        vad_threads: threads one VAD batch may use.
+
+    Returns:
+        The stack, whose ``description`` names each model, its device or
+        providers, and how long it took to load.
+
+    Raises:
+        RuntimeError: CUDA was requested explicitly and does not work.
+        ValueError: an unknown device, or an unusable voice config.
+        FileNotFoundError: a model file is missing.
+        s2s_rt.models.ModelError: the LLM directory is unusable.
+    """
+    choice = resolve_device(device)
+    kind, index = choice.ct2_device
+    providers = choice.onnx_providers
+    description = [choice.describe()]
+
+    load_seconds: dict[str, float] = {}
+
+    def timed(what: str, load: Callable[[], _Engine]) -> _Engine:
+        start = time.perf_counter()
+        engine = load()
+        load_seconds[what] = time.perf_counter() - start
+        return engine
+
+    vad = timed("VAD", lambda: SileroVAD(vad_model, providers=providers, intra_threads=vad_threads))
+    stt = timed(
+        "STT",
+        lambda: WhisperSTT(
+            whisper_dir,
+            device=kind,
+            device_index=index,
+            compute_type=choice.ct2_compute_type(),
+            intra_threads=stt_threads,
+        ),
+    )
+    # Imported here: the LLM engine is the heaviest module and the only one
+    # the other engines do not need.
+    from s2s_rt.engines.llm import CT2ChatLLM
+
+    # CT2ChatLLM takes no device index: on cuda:N with N > 0 it would run on
+    # device 0, so CUDA_VISIBLE_DEVICES is the way to pick another GPU for it.
+    llm = timed(
+        "LLM",
+        lambda: CT2ChatLLM(
+            llm_dir,
+            device=kind,
+            compute_type=choice.ct2_compute_type(quantized=True),
+            intra_threads=llm_threads,
+        ),
+    )
+    tts = timed("TTS", lambda: PiperTTS(voices, providers=providers, intra_threads=tts_threads))
+    description += [
+        f"{vad.describe()}; loaded in {load_seconds['VAD']:.2f} s",
+        f"{stt.describe()}; loaded in {load_seconds['STT']:.2f} s",
+        f"{llm.describe()}; loaded in {load_seconds['LLM']:.2f} s",
+        *tts.describe(),
+        f"TTS: {len(tts.voices)} voice(s) loaded in {load_seconds['TTS']:.2f} s",
+    ]
+    return Stack(name="default", vad=vad, stt=stt, llm=llm, tts=tts, description=description)

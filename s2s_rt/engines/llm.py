@@ -1,0 +1,596 @@
+"""The chat LLM engine: a CTranslate2 decoder that streams its answer.
+
+One :class:`CT2ChatLLM` is loaded per process and shared by every slot:
+``ctranslate2.Generator`` queues concurrent requests onto its
+``inter_threads`` workers, and the tokenizer is read-only after loading.
+
+A model directory holds the CTranslate2 model (``model.bin``,
+``config.json``, ``vocabulary.json|txt``), a tokenizer (``tokenizer.json`` or
+a SentencePiece ``tokenizer.model``), and, as Hugging Face lays it out, the
+chat template in ``tokenizer_config.json`` and the end-of-turn ids in
+``generation_config.json``. ``s2s-rt models prepare`` writes such directories;
+so does CTranslate2's own converter with ``--copy_files``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import ctypes.util
+import json
+import re
+import weakref
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from s2s_rt.engines.base import ChatMessage, LLMUsage, StopCheck
+from s2s_rt.models.errors import PREPARE_COMMAND, ModelError
+
+#: At or below this temperature, decoding is greedy (deterministic).
+GREEDY_TEMPERATURE = 0.01
+#: Sampling keeps the most likely 40 tokens, then the top 95 % of probability.
+SAMPLING_TOP_K = 40
+SAMPLING_TOP_P = 0.95
+#: Context budget when the model directory does not state one.
+DEFAULT_CONTEXT_TOKENS = 4096
+
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+# --- tokenizers ----------------------------------------------------------------
+
+
+class _Tokenizer(Protocol):
+    def encode_text(self, text: str) -> list[int]:
+        """Encode plain text: control-token strings in it stay plain text."""
+        ...
+
+    def control_id(self, token: str) -> int | None:
+        """Return the id of a control token (``<|im_start|>``), if it exists."""
+        ...
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Decode ids to text, dropping control tokens."""
+        ...
+
+
+class _HFTokenizer:
+    """A Hugging Face ``tokenizer.json``."""
+
+    def __init__(self, path: Path) -> None:
+        from tokenizers import Tokenizer
+
+        self._tokenizer = Tokenizer.from_file(str(path))
+        # Text of the conversation is never read as markup: a user typing
+        # "<|im_end|>" must not close their own turn and forge the next one.
+        # Markup tokens are inserted by id (control_id) instead.
+        self._tokenizer.encode_special_tokens = True
+
+    def encode_text(self, text: str) -> list[int]:
+        return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def control_id(self, token: str) -> int | None:
+        return self._tokenizer.token_to_id(token)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self._tokenizer.decode(list(ids), skip_special_tokens=True))
+
+
+class _SentencePieceTokenizer:
+    """A SentencePiece ``tokenizer.model`` (never reads control symbols in text)."""
+
+    def __init__(self, path: Path) -> None:
+        import sentencepiece
+
+        self._processor = sentencepiece.SentencePieceProcessor(model_file=str(path))
+
+    def encode_text(self, text: str) -> list[int]:
+        return list(self._processor.encode(text, out_type=int))
+
+    def control_id(self, token: str) -> int | None:
+        token_id = int(self._processor.piece_to_id(token))
+        return None if token_id == self._processor.unk_id() and token != "<unk>" else token_id
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self._processor.decode(list(ids)))
+
+
+def _load_tokenizer(model_dir: Path) -> _Tokenizer:
+    if (model_dir / "tokenizer.json").is_file():
+        return _HFTokenizer(model_dir / "tokenizer.json")
+    if (model_dir / "tokenizer.model").is_file():
+        return _SentencePieceTokenizer(model_dir / "tokenizer.model")
+    raise ModelError(
+        f"{model_dir / 'tokenizer.json'} is missing (an LLM directory needs tokenizer.json "
+        f"or a SentencePiece tokenizer.model); for the presets, fix: {PREPARE_COMMAND}"
+    )
+
+
+# --- chat format ---------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ChatPrompt:
+    """A conversation in a model's chat format, as token ids."""
+
+    #: One list of ids per turn, the answer's opening last; kept apart so
+    #: that the oldest turns can be dropped to fit the context.
+    turns: list[list[int]]
+    #: Leading turns never dropped (the system turn).
+    pinned: int
+
+
+class ChatML:
+    """The ChatML chat format (Qwen2, SmolLM2 and many others).
+
+    ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message, then
+    ``<|im_start|>assistant\\n``, as Qwen2.5's template writes it:
+
+    - without a system message, the template's own default one (if any)
+      comes first;
+    - offered tools are described in the system turn in Qwen2.5's words
+      (the "Hermes" convention), for templates without a tools section too;
+      the model calls one by writing ``<tool_call>{json}</tool_call>``;
+    - consecutive ``tool`` messages (function results) form one user turn of
+      ``<tool_response>`` blocks;
+    - a required call is begun in the prompt: the answer opens with
+      ``<tool_call>``, so the model can only continue with a call.
+    """
+
+    START, END = "<|im_start|>", "<|im_end|>"
+
+    def __init__(self, tokenizer: _Tokenizer, default_system: str | None) -> None:
+        start, end = tokenizer.control_id(self.START), tokenizer.control_id(self.END)
+        if start is None or end is None:
+            raise ModelError("the tokenizer lacks the ChatML tokens <|im_start|>/<|im_end|>")
+        self._tokenizer = tokenizer
+        self._start, self.end_id = start, end
+        self._newline = tokenizer.encode_text("\n")
+        self.default_system = default_system
+
+    @classmethod
+    def from_template(cls, template: str | None, tokenizer: _Tokenizer, where: Path) -> ChatML:
+        """Recognise a Jinja chat template as ChatML, or a vocabulary as ChatML's.
+
+        Raises:
+            ModelError: if the template is of another format (Llama 3,
+                Gemma…) and the tokenizer has no ChatML markers either.
+        """
+        if template and cls.START in template:
+            return cls(tokenizer, _default_system_prompt(template))
+        if tokenizer.control_id(cls.START) is not None and tokenizer.control_id(cls.END) is not None:
+            return cls(tokenizer, None)
+        described = "has no chat template" if not template else "uses a chat format other than ChatML"
+        raise ModelError(
+            f"{where} {described}; s2s-rt supports ChatML chat models "
+            "(the tokenizer must have <|im_start|> and <|im_end|>)"
+        )
+
+    def encode(
+        self,
+        messages: Sequence[ChatMessage],
+        tools: Sequence[dict[str, Any]] = (),
+        require_tool: bool = False,
+    ) -> ChatPrompt:
+        """Render ``messages`` (and the offered ``tools``) as token ids.
+
+        Args:
+            messages: the conversation, oldest first.
+            tools: Realtime function definitions (name, description,
+                parameters).
+            require_tool: the answer must be a call (only with ``tools``).
+        """
+        system = None
+        if messages and messages[0].role == "system":
+            system, messages = messages[0].content, messages[1:]
+        elif self.default_system is not None:
+            system = self.default_system
+        if tools:
+            system = (system or "") + _tools_section(tools)
+        turns = [] if system is None else [self._turn("system", system)]
+        i = 0
+        while i < len(messages):
+            if messages[i].role != "tool":
+                turns.append(self._turn(messages[i].role, messages[i].content))
+                i += 1
+                continue
+            results = []
+            while i < len(messages) and messages[i].role == "tool":
+                results.append(f"\n<tool_response>\n{messages[i].content}\n</tool_response>")
+                i += 1
+            turns.append(self._turn("user", "".join(results), separator=""))
+        opening = "assistant\n" + (TOOL_CALL_OPEN + "\n" if tools and require_tool else "")
+        turns.append([self._start, *self._tokenizer.encode_text(opening)])
+        return ChatPrompt(turns, pinned=0 if system is None else 1)
+
+    def _turn(self, role: str, content: str, separator: str = "\n") -> list[int]:
+        text = self._tokenizer.encode_text(f"{role}{separator}{content}")
+        return [self._start, *text, self.end_id, *self._newline]
+
+
+def _tools_section(tools: Sequence[dict[str, Any]]) -> str:
+    """Qwen2.5's description of the offered functions, word for word."""
+    signatures = "".join(f"\n{json.dumps(_function_signature(tool), ensure_ascii=False)}" for tool in tools)
+    return (
+        "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+        "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+        f"{signatures}\n</tools>\n\n"
+        "For each function call, return a json object with function name and arguments within "
+        "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+        '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+    )
+
+
+def _function_signature(tool: dict[str, Any]) -> dict[str, Any]:
+    # Realtime tools are flat ({"type": "function", "name": ...}); chat
+    # templates are shown them the way Hugging Face passes them.
+    nested = tool.get("function")
+    function: dict[str, Any] = nested if isinstance(nested, dict) else tool
+    return {
+        "type": "function",
+        "function": {key: function[key] for key in ("name", "description", "parameters") if key in function},
+    }
+
+
+def _default_system_prompt(template: str) -> str | None:
+    # The default is the literal system turn the template writes when the
+    # conversation has none: '<|im_start|>system\nYou are …<|im_end|>'. In the
+    # template source the newline is either a real one or the escape "\n".
+    match = re.search(r"<\|im_start\|>system(?:\\n|\n)([^'\"{}<>]+?)<\|im_end\|>", template)
+    return match.group(1) if match else None
+
+
+# --- function calls ------------------------------------------------------------
+
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+
+
+class _CallFraming:
+    """Puts ``<tool_call>`` tags around a call the model wrote without them.
+
+    Small models offered tools often answer a call as bare JSON
+    (``{"name": "get_weather", "arguments": {…}}``), in a code fence, or in
+    bold; the server finds calls by their tags. An answer that starts like
+    JSON (or is a required call, begun in the prompt) is held back to its
+    end and, if it holds a JSON object with a ``name``, sent as one tagged
+    call; any other answer streams through untouched.
+    """
+
+    def __init__(self, required: bool) -> None:
+        self._required = required
+        self._held: list[str] = []
+        self._holding = required
+        self._passing = False
+
+    def feed(self, piece: str) -> str:
+        """Take one piece of the answer; return what may be sent now."""
+        if self._passing:
+            return piece
+        self._held.append(piece)
+        if self._holding:
+            return ""
+        start = "".join(self._held).lstrip()
+        if not start:
+            return ""
+        if start[0] in "{`":
+            self._holding = True
+            return ""
+        self._passing = True
+        return self._release()
+
+    def finish(self) -> str:
+        """The answer ended: return what is still held, framed if a call."""
+        if not self._holding:
+            return self._release()
+        text = self._release()
+        call = _json_object(text)
+        if call is not None and "name" in call[0]:
+            return f"{TOOL_CALL_OPEN}\n{call[1]}\n{TOOL_CALL_CLOSE}"
+        # Not a call after all; a required one is still reported as a call, so
+        # the server can tell the model what is wrong with it.
+        return f"{TOOL_CALL_OPEN}\n{text}" if self._required else text
+
+    def _release(self) -> str:
+        text, self._held = "".join(self._held), []
+        return text
+
+
+def _json_object(text: str) -> tuple[dict[str, Any], str] | None:
+    """Return the first JSON object in ``text`` and its source, if any."""
+    decoder = json.JSONDecoder()
+    start = text.find("{")
+    while start >= 0:
+        try:
+            value, end = decoder.raw_decode(text, start)
+        except ValueError:
+            start = text.find("{", start + 1)
+            continue
+        if isinstance(value, dict):
+            return value, text[start:end]
+        start = text.find("{", end)
+    return None
+
+
+# --- incremental detokenisation ------------------------------------------------
+
+
+class _TextStream:
+    """Turns token ids, one at a time, into complete pieces of text.
+
+    A byte-level token can end in the middle of a UTF-8 character, and
+    SentencePiece drops a word's leading space when it starts the decoded
+    text; so each new token is decoded together with the previous few and
+    only the text that is complete is released.
+    """
+
+    def __init__(self, tokenizer: _Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._ids: list[int] = []
+        self._prefix = 0  # start of the window decoded for context
+        self._read = 0  # end of what has been released
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the text it completes ("" while incomplete)."""
+        self._ids.append(token_id)
+        before = self._tokenizer.decode(self._ids[self._prefix : self._read])
+        after = self._tokenizer.decode(self._ids[self._prefix :])
+        if len(after) <= len(before) or after.endswith(_REPLACEMENT_CHAR):
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return after[len(before) :]
+
+
+# --- the engine ----------------------------------------------------------------
+
+
+class CT2ChatLLM:
+    """A chat LLM in CTranslate2, streaming its answers (implements ``base.LLM``).
+
+    Args:
+        model_dir: a CTranslate2 decoder directory with a tokenizer (see the
+            module docstring); :func:`s2s_rt.models.resolve_llm_dir` turns a
+            preset name into one.
+        device: ``"cpu"`` or ``"cuda"``.
+        device_index: which GPU, for ``"cuda"``.
+        compute_type: CTranslate2 compute type; None picks ``int8`` on CPU
+            and ``int8_float16`` on CUDA.
+        inter_threads: generations that run at once (each on its own
+            workers); more requests wait in CTranslate2's queue.
+        intra_threads: threads per generation. On small CPUs one thread
+            decodes a model of 0.5B parameters or less fastest.
+        max_context_tokens: prompt plus answer budget; None takes the
+            model's ``model_max_length``, at most 4096.
+        repetition_penalty: > 1 discourages repeating tokens.
+
+    Raises:
+        ModelError: if a model file is missing, corrupt, or of an
+            unsupported chat format.
+    """
+
+    def __init__(
+        self,
+        model_dir: Path,
+        *,
+        device: str = "cpu",
+        device_index: int = 0,
+        compute_type: str | None = None,
+        inter_threads: int = 1,
+        intra_threads: int = 1,
+        max_context_tokens: int | None = None,
+        repetition_penalty: float = 1.0,
+    ) -> None:
+        import ctranslate2
+
+        self.model_dir = model_dir = Path(model_dir)
+        for name in ("model.bin", "config.json"):
+            if not (model_dir / name).is_file():
+                raise ModelError(f"{model_dir / name} is missing; for the presets, fix: {PREPARE_COMMAND}")
+        self.compute_type = compute_type or _default_compute_type(ctranslate2, device)
+        self.device = device
+        self._tokenizer = _load_tokenizer(model_dir)
+        tokenizer_config = _read_json(model_dir / "tokenizer_config.json")
+        self._chat = ChatML.from_template(tokenizer_config.get("chat_template"), self._tokenizer, model_dir)
+        self._vocabulary = _read_vocabulary(model_dir)
+        self._end_ids = self._stop_ids(tokenizer_config)
+        model_max = int(tokenizer_config.get("model_max_length") or DEFAULT_CONTEXT_TOKENS)
+        self.max_context_tokens = max_context_tokens or min(model_max, DEFAULT_CONTEXT_TOKENS)
+        self._repetition_penalty = repetition_penalty
+        try:
+            self._generator: ctranslate2.Generator | None = ctranslate2.Generator(
+                str(model_dir),
+                device=device,
+                device_index=device_index,
+                compute_type=self.compute_type,
+                inter_threads=inter_threads,
+                intra_threads=intra_threads,
+            )
+        except (RuntimeError, ValueError) as exc:
+            raise ModelError(
+                f"cannot load the LLM in {model_dir} ({exc}); check it with `s2s-rt models verify`, "
+                f"fix: {PREPARE_COMMAND} --force"
+            ) from exc
+        self.threads = (inter_threads, intra_threads)
+        _release_freed_memory()
+        _LOADED.add(self)
+
+    def close(self) -> None:
+        """Release the model (streams already running finish first).
+
+        Called for every engine still loaded when the interpreter exits.
+        """
+        self._generator = None
+
+    def describe(self) -> str:
+        """One line for the start-up log."""
+        inter, intra = self.threads
+        return (
+            f"LLM {self.model_dir} (CTranslate2 {self.compute_type} on {self.device}, "
+            f"{inter} concurrent x {intra} threads, context {self.max_context_tokens})"
+        )
+
+    def stream(
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        max_tokens: int,
+        temperature: float,
+        should_stop: StopCheck,
+        usage: LLMUsage,
+        tools: Sequence[dict[str, Any]] = (),
+        require_tool: bool = False,
+    ) -> Generator[str, None, None]:
+        """Yield the assistant's answer to ``messages`` as pieces of text.
+
+        Args:
+            messages: the conversation, oldest first; the oldest non-system
+                turns are left out when it does not fit the context.
+            max_tokens: most tokens to generate.
+            temperature: <= 0.01 decodes greedily; above, samples.
+            should_stop: checked between tokens; True ends the answer within
+                one token (generation stops in CTranslate2 too).
+            usage: receives input tokens before the first piece, and output
+                tokens as they come.
+            tools: Realtime function definitions to offer the model; it calls
+                one by writing ``<tool_call>{"name": …, "arguments": {…}}</tool_call>``.
+            require_tool: the answer must be a call: it starts with
+                ``<tool_call>`` already written.
+        """
+        generator = self._generator
+        if generator is None:
+            raise RuntimeError(f"the LLM engine for {self.model_dir} is closed")
+        chat = self._chat.encode(messages, tools, require_tool)
+        prompt, max_tokens = self._fit(chat, max_tokens)
+        usage.input_tokens = len(prompt)
+        usage.output_tokens = 0
+        if max_tokens <= 0 or should_stop():
+            return
+        greedy = temperature <= GREEDY_TEMPERATURE
+        steps = generator.generate_tokens(
+            [self._vocabulary[i] for i in prompt],
+            max_length=max_tokens,
+            sampling_topk=1 if greedy else SAMPLING_TOP_K,
+            sampling_topp=1.0 if greedy else SAMPLING_TOP_P,
+            sampling_temperature=1.0 if greedy else temperature,
+            repetition_penalty=self._repetition_penalty,
+            end_token=self._end_ids,
+            # Runs in CTranslate2's worker after each token: stops the decoding
+            # itself, not only our reading of it.
+            callback=lambda _step: should_stop(),
+        )
+        text = _TextStream(self._tokenizer)
+        framing = _CallFraming(required=require_tool) if tools else None
+        try:
+            for step in steps:
+                if should_stop():
+                    return
+                if step.token_id in self._end_ids:
+                    break
+                usage.output_tokens += 1
+                piece = text.push(step.token_id)
+                if framing is not None:
+                    piece = framing.feed(piece)
+                if piece:
+                    yield piece
+        finally:
+            # Closing tells CTranslate2 to stop at its next token and waits for it.
+            steps.close()
+        rest = framing.finish() if framing is not None else ""
+        if rest and not should_stop():
+            yield rest
+
+    def count_tokens(self, messages: Sequence[ChatMessage], tools: Sequence[dict[str, Any]] = ()) -> int:
+        """Return the prompt length of ``messages`` in tokens (with the chat markup)."""
+        return sum(len(turn) for turn in self._chat.encode(messages, tools).turns)
+
+    def _fit(self, chat: ChatPrompt, max_tokens: int) -> tuple[list[int], int]:
+        """Return the prompt ids and the answer budget within the context.
+
+        Drops the oldest turns after the system prompt until the prompt leaves
+        room for at least a short answer, then shortens the answer budget.
+        """
+        turns = list(chat.turns)
+        min_answer = min(max_tokens, 64)
+        # Always keep the pinned turns, the last message and the answer's opening.
+        while sum(map(len, turns)) + min_answer > self.max_context_tokens and len(turns) > chat.pinned + 2:
+            del turns[chat.pinned]
+        prompt = [token for turn in turns for token in turn]
+        if len(prompt) + min_answer > self.max_context_tokens:
+            # One enormous message: keep its end, which a user speaking last said.
+            prompt = prompt[len(prompt) + min_answer - self.max_context_tokens :]
+        return prompt, min(max_tokens, self.max_context_tokens - len(prompt))
+
+    def _stop_ids(self, tokenizer_config: dict[str, Any]) -> list[int]:
+        ids = [self._chat.end_id]
+        eos = _read_json(self.model_dir / "generation_config.json").get("eos_token_id")
+        ids += eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else []
+        for config in (tokenizer_config, _read_json(self.model_dir / "config.json")):
+            token = config.get("eos_token")
+            if isinstance(token, dict):  # tokenizer_config's AddedToken form
+                token = token.get("content")
+            if isinstance(token, str) and (token_id := self._tokenizer.control_id(token)) is not None:
+                ids.append(token_id)
+        return list(dict.fromkeys(ids))
+
+
+#: Engines still loaded, released before the interpreter shuts down.
+_LOADED: weakref.WeakSet[CT2ChatLLM] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_engines_at_exit() -> None:
+    # CTranslate2 streams tokens through Python callbacks held by its worker
+    # threads; a Generator still alive when the interpreter finalises aborts
+    # the process now and then ("terminate called without an active
+    # exception", exit status 134: 3 to 10 exits in 30 on a busy 2-core
+    # machine). Destroyed here, while the interpreter is whole, it never did.
+    for engine in list(_LOADED):
+        engine.close()
+
+
+def _release_freed_memory() -> None:
+    """Give the C heap's free pages back to the system (glibc only).
+
+    Loading reads each weight through temporary buffers; glibc keeps the
+    freed space mapped, and the 0.5B model's process stays ~340 MB larger
+    than it needs to be until this is called.
+    """
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc (macOS, Windows, musl)
+        pass
+
+
+def _default_compute_type(ctranslate2: Any, device: str) -> str:
+    supported = ctranslate2.get_supported_compute_types(device)
+    preferred = ("int8", "int8_float32") if device == "cpu" else ("int8_float16", "float16")
+    return next((c for c in preferred if c in supported), "default")
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"{path} is unreadable ({exc}); fix: {PREPARE_COMMAND} --force") from exc
+    return value if isinstance(value, dict) else {}
+
+
+def _read_vocabulary(model_dir: Path) -> list[str]:
+    """Return CTranslate2's vocabulary: the prompt is given to it as token strings."""
+    json_path, text_path = model_dir / "vocabulary.json", model_dir / "vocabulary.txt"
+    try:
+        if json_path.is_file():
+            tokens = json.loads(json_path.read_text(encoding="utf-8"))
+            if isinstance(tokens, list):
+                return [str(t) for t in tokens]
+        elif text_path.is_file():
+            # Tokens may hold "\r" or U+2028, which splitlines() would split on.
+            lines = text_path.read_text(encoding="utf-8").split("\n")
+            return lines[:-1] if lines and not lines[-1] else lines
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"{json_path} is unreadable ({exc}); fix: {PREPARE_COMMAND} --force") from exc
+    raise ModelError(f"{json_path} is missing; fix: {PREPARE_COMMAND} --force")

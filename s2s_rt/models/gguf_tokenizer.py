@@ -1,0 +1,170 @@
+"""Rebuild a Hugging Face ``tokenizer.json`` from a GGUF file's vocabulary.
+
+llama.cpp stores byte-level BPE tokenizers as three arrays (tokens, token
+types, merges) plus the *name* of the pre-tokenizer (``tokenizer.ggml.pre``);
+the regular expression itself lives in llama.cpp's C++ source. So the
+pre-tokenizers of the supported families are written down here, copied from
+the ``tokenizer.json`` each family publishes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+from s2s_rt.models.errors import ModelError
+
+if TYPE_CHECKING:
+    from s2s_rt.models.gguf_file import GGUFFile
+
+# Token types in tokenizer.ggml.token_type (llama.cpp's llama_token_type).
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
+
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def _pre_tokenizer(pre: str) -> tuple[Any, Any]:
+    """Return ``(normalizer, pre_tokenizer)`` for a ``tokenizer.ggml.pre`` name.
+
+    Raises:
+        ModelError: for a family whose splitting rules are not written here;
+            guessing would silently produce token ids the model never saw.
+    """
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    if pre == "qwen2":
+        split = pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated", invert=False)
+        return normalizers.NFC(), pre_tokenizers.Sequence([split, byte_level])
+    if pre == "llama-bpe":
+        split = pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated", invert=False)
+        return None, pre_tokenizers.Sequence([split, byte_level])
+    if pre in ("smollm", "starcoder", "refact"):
+        # StarCoder-style: every digit on its own, then GPT-2's byte-level split.
+        return None, pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
+    if pre in ("gpt2", "gpt-2", "default"):
+        return None, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    raise ModelError(
+        f"unsupported GGUF pre-tokenizer {pre!r}: supported are qwen2, llama-bpe, "
+        "smollm, starcoder, gpt2; convert this model with CTranslate2's own converter "
+        "and pass its directory instead"
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFVocabulary:
+    """The tokenizer fields of a GGUF file, read once."""
+
+    tokens: list[str]
+    token_types: list[int]
+    merges: list[str]
+    pre: str
+    bos_id: int | None
+    eos_id: int | None
+    unk_id: int | None
+
+    @classmethod
+    def from_gguf(cls, gguf: GGUFFile) -> GGUFVocabulary:
+        """Read the vocabulary of an opened GGUF file.
+
+        Raises:
+            ModelError: if the GGUF tokenizer is not byte-level BPE.
+        """
+        kind = gguf.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ModelError(
+                f"{gguf.path}: unsupported GGUF tokenizer model {kind!r} (only byte-level BPE, 'gpt2', is supported)"
+            )
+        return cls(
+            tokens=gguf.require("tokenizer.ggml.tokens"),
+            token_types=gguf.require("tokenizer.ggml.token_type"),
+            merges=gguf.require("tokenizer.ggml.merges"),
+            pre=gguf.get("tokenizer.ggml.pre", "default"),
+            bos_id=gguf.get("tokenizer.ggml.bos_token_id"),
+            eos_id=gguf.get("tokenizer.ggml.eos_token_id"),
+            unk_id=gguf.get("tokenizer.ggml.unknown_token_id"),
+        )
+
+    def subset(self, keep: list[int]) -> GGUFVocabulary:
+        """Return the vocabulary of tokens ``keep`` (ascending old ids), renumbered.
+
+        Token ``keep[i]`` becomes token ``i``; merge rules survive when both
+        parts and their result are kept, so text made only of kept tokens is
+        split exactly as before.
+        """
+        tokens = [self.tokens[i] for i in keep]
+        kept = set(tokens)
+        merges = [rule for rule in self.merges if rule.replace(" ", "", 1) in kept and set(_merge_pair(rule)) <= kept]
+        new_id = {old: new for new, old in enumerate(keep)}
+
+        def renumber(token_id: int | None) -> int | None:
+            return None if token_id is None else new_id.get(token_id)
+
+        return GGUFVocabulary(
+            tokens=tokens,
+            token_types=[self.token_types[i] for i in keep],
+            merges=merges,
+            pre=self.pre,
+            bos_id=renumber(self.bos_id),
+            eos_id=renumber(self.eos_id),
+            unk_id=renumber(self.unk_id),
+        )
+
+    def token_id(self, token: str) -> int | None:
+        """Return the id of ``token``, or None when the vocabulary lacks it."""
+        try:
+            return self.tokens.index(token)
+        except ValueError:
+            return None
+
+
+def _merge_pair(rule: str) -> tuple[str, str]:
+    left, right = rule.split(" ", 1)
+    return left, right
+
+
+def build_tokenizer(vocab: GGUFVocabulary) -> Tokenizer:
+    """Build the byte-level BPE tokenizer a GGUF vocabulary describes.
+
+    Control tokens (``<|im_start|>``…) become special added tokens, so they
+    are matched whole in prompts and skipped when decoding with
+    ``skip_special_tokens``; user-defined ones (``<tool_call>``) become
+    plain added tokens.
+
+    Args:
+        vocab: the tokenizer fields of the GGUF file.
+
+    Returns:
+        A tokenizer whose ids equal the model's token ids.
+
+    Raises:
+        ModelError: for an unsupported pre-tokenizer.
+    """
+    normalizer, pre_tokenizer = _pre_tokenizer(vocab.pre)
+    ids = {token: i for i, token in enumerate(vocab.tokens)}
+    # Byte-level tokens never contain a space (it is mapped to "Ġ"), so the
+    # single space in a merge rule is the separator.
+    merges = [_merge_pair(rule) for rule in vocab.merges]
+    tokenizer = Tokenizer(models.BPE(vocab=ids, merges=merges, fuse_unk=False))
+    if normalizer is not None:
+        tokenizer.normalizer = normalizer
+    tokenizer.pre_tokenizer = pre_tokenizer
+    tokenizer.decoder = decoders.ByteLevel()
+
+    control = [t for t, kind in zip(vocab.tokens, vocab.token_types, strict=True) if kind == _CONTROL]
+    user = [t for t, kind in zip(vocab.tokens, vocab.token_types, strict=True) if kind == _USER_DEFINED]
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
+    return tokenizer

@@ -1,0 +1,254 @@
+"""The real engines (Silero VAD, Whisper, Piper, espeak-ng) on the default models.
+
+The models come from the model cache (built from the installed model packages
+on first use). Each is loaded once for the module. Test speech comes from the
+project's own Piper voice, so nothing is downloaded and the audio is the same
+on every machine.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from conftest import word_error_rate
+
+from s2s_rt.audio import resample
+from s2s_rt.engines.base import PIPELINE_RATE, Float32Array
+from s2s_rt.engines.default import load_default_stack
+from s2s_rt.engines.device import CPU_PROVIDER, resolve_device
+from s2s_rt.engines.mel import LogMelSpectrogram
+from s2s_rt.engines.phonemes import espeak_phonemizer
+from s2s_rt.engines.piper import PiperTTS
+from s2s_rt.engines.silero import SileroVAD
+from s2s_rt.engines.whisper import WhisperSTT
+from s2s_rt.models import ModelError, PreparedModels, ensure_prepared
+
+pytestmark = pytest.mark.slow
+
+QUESTION = "What is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def prepared() -> PreparedModels:
+    try:
+        return ensure_prepared(progress=lambda _line: None)
+    except ModelError as exc:
+        pytest.skip(f"default models unavailable: {exc}")
+
+
+@pytest.fixture(scope="module")
+def tts(prepared: PreparedModels) -> PiperTTS:
+    return PiperTTS(prepared.voices)
+
+
+@pytest.fixture(scope="module")
+def stt(prepared: PreparedModels) -> WhisperSTT:
+    return WhisperSTT(prepared.whisper, device="cpu", compute_type="int8")
+
+
+@pytest.fixture(scope="module")
+def vad(prepared: PreparedModels) -> SileroVAD:
+    return SileroVAD(prepared.vad)
+
+
+@pytest.fixture(scope="module")
+def question_audio(tts: PiperTTS) -> Float32Array:
+    """The question spoken by the Piper voice, at the voice's rate."""
+    return np.concatenate(list(tts.synthesize(QUESTION, voice=None, should_stop=lambda: False)))
+
+
+@pytest.fixture(scope="module")
+def question_16k(tts: PiperTTS, question_audio: Float32Array) -> Float32Array:
+    return resample(question_audio, tts.sample_rate, PIPELINE_RATE)
+
+
+def vad_probabilities(vad: SileroVAD, audio: Float32Array) -> Float32Array:
+    state = vad.new_state()
+    n = len(audio) // vad.chunk_samples
+    chunks = audio[: n * vad.chunk_samples].reshape(n, 1, vad.chunk_samples)
+    return np.array([vad.speech_probabilities(chunk, [state])[0] for chunk in chunks])
+
+
+# --- Piper -----------------------------------------------------------------
+
+
+def test_piper_speaks_audible_speech_at_the_voice_rate(tts: PiperTTS, question_audio: Float32Array) -> None:
+    assert tts.sample_rate == 22_050
+    assert tts.voices == ["en_US-joe-medium"]
+    assert question_audio.dtype == np.float32
+    seconds = len(question_audio) / tts.sample_rate
+    assert 1.0 < seconds < 4.0
+    assert float(np.sqrt(np.mean(question_audio**2))) > 0.02
+    assert float(np.max(np.abs(question_audio))) <= 1.0
+
+
+def test_piper_yields_one_piece_per_sentence(tts: PiperTTS) -> None:
+    pieces = list(tts.synthesize("Hello there. How are you? Fine!", voice=tts.voices[0], should_stop=lambda: False))
+    assert len(pieces) == 3
+
+
+def test_piper_stops_between_sentences_when_asked(tts: PiperTTS) -> None:
+    produced: list[Float32Array] = []
+    text = "First sentence here. Second sentence here. Third sentence here."
+    for piece in tts.synthesize(text, voice=None, should_stop=lambda: len(produced) >= 1):
+        produced.append(piece)
+    assert len(produced) == 1
+
+
+def test_piper_says_nothing_for_blank_text(tts: PiperTTS) -> None:
+    assert list(tts.synthesize("   ", voice=None, should_stop=lambda: False)) == []
+
+
+def test_piper_unknown_voice_error_lists_the_voices(tts: PiperTTS) -> None:
+    with pytest.raises(ValueError, match=r"unknown voice 'nobody'; available: en_US-joe-medium"):
+        list(tts.synthesize("Hi.", voice="nobody", should_stop=lambda: False))
+
+
+# --- Whisper -----------------------------------------------------------------
+
+
+def test_whisper_transcribes_piper_speech(stt: WhisperSTT, question_16k: Float32Array) -> None:
+    transcript = stt.transcribe(question_16k)
+    assert word_error_rate(QUESTION, transcript.text) <= 0.2, transcript.text
+    assert transcript.language == "en"
+
+
+def test_whisper_transcribes_with_a_given_language_and_prompt(stt: WhisperSTT, question_16k: Float32Array) -> None:
+    transcript = stt.transcribe(question_16k, language="en", prompt="A geography quiz.")
+    assert word_error_rate(QUESTION, transcript.text) <= 0.2, transcript.text
+    assert transcript.language == "en"
+
+
+def test_whisper_returns_empty_text_for_empty_or_tiny_audio(stt: WhisperSTT) -> None:
+    assert stt.transcribe(np.zeros(0, dtype=np.float32)).text == ""
+    assert stt.transcribe(np.zeros(800, dtype=np.float32), language="en").text == ""
+
+
+def test_whisper_rejects_an_unknown_language(stt: WhisperSTT, question_16k: Float32Array) -> None:
+    with pytest.raises(ValueError, match="unknown language"):
+        stt.transcribe(question_16k, language="xx")
+
+
+# --- Silero VAD ----------------------------------------------------------------
+
+
+def test_vad_hears_speech(vad: SileroVAD, question_16k: Float32Array) -> None:
+    probabilities = vad_probabilities(vad, question_16k)
+    assert probabilities.max() > 0.9
+    assert np.mean(probabilities > 0.5) > 0.7
+
+
+def test_vad_ignores_silence_and_low_noise(vad: SileroVAD) -> None:
+    rng = np.random.default_rng(0)
+    assert vad_probabilities(vad, np.zeros(PIPELINE_RATE, dtype=np.float32)).max() < 0.2
+    noise = (rng.standard_normal(2 * PIPELINE_RATE) * 0.003).astype(np.float32)
+    assert vad_probabilities(vad, noise).max() < 0.3
+
+
+def test_vad_batched_scores_equal_separate_scores(vad: SileroVAD, question_16k: Float32Array) -> None:
+    sessions = 5
+    rng = np.random.default_rng(1)
+    # Each session hears the question from another offset, over its own noise.
+    streams = np.stack(
+        [
+            np.roll(question_16k, 3000 * i) + rng.standard_normal(len(question_16k)).astype(np.float32) * 0.01
+            for i in range(sessions)
+        ]
+    ).astype(np.float32)
+    batched_states = [vad.new_state() for _ in range(sessions)]
+    separate_states = [vad.new_state() for _ in range(sessions)]
+    for k in range(len(question_16k) // vad.chunk_samples):
+        chunks = streams[:, k * vad.chunk_samples : (k + 1) * vad.chunk_samples]
+        batched = vad.speech_probabilities(chunks, batched_states)
+        separate = [vad.speech_probabilities(chunks[i : i + 1], [separate_states[i]])[0] for i in range(sessions)]
+        np.testing.assert_allclose(batched, separate, atol=1e-5)
+
+
+def test_vad_rejects_chunks_of_the_wrong_size(vad: SileroVAD) -> None:
+    with pytest.raises(ValueError, match="shape"):
+        vad.speech_probabilities(np.zeros((1, 480), dtype=np.float32), [vad.new_state()])
+
+
+# --- espeak-ng phonemes ------------------------------------------------------------
+
+
+def test_phonemizer_gives_ipa_for_hello_world() -> None:
+    sentences = espeak_phonemizer().phonemize("hello world", "en-us")
+    assert ["".join(s) for s in sentences] == ["həlˈoʊ wˈɜːld"]
+
+
+def test_phonemizer_keeps_punctuation_and_splits_sentences_as_piper() -> None:
+    sentences = espeak_phonemizer().phonemize("Hello, world! How are you today?", "en-us")
+    # Piper's own phonemizer gives exactly this (checked against piper-phonemize 1.1.0).
+    assert ["".join(s) for s in sentences] == ["həlˈoʊ, wˈɜːld!", "hˌaʊ ɑːɹ juː tədˈeɪ?"]
+
+
+def test_phonemizer_is_safe_to_call_from_many_threads() -> None:
+    phonemizer = espeak_phonemizer()
+    texts = ["hello world", "Bonjour, monde!", "The quick brown fox.", "What time is it?"]
+    voices = ["en-us", "fr", "en-us", "de"]
+    expected = [phonemizer.phonemize(t, v) for t, v in zip(texts, voices, strict=True)]
+    results: list[list[object]] = [[] for _ in texts]
+
+    def worker(i: int) -> None:
+        for _ in range(20):
+            results[i].append(phonemizer.phonemize(texts[i], voices[i]))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(texts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for i, outputs in enumerate(results):
+        assert all(output == expected[i] for output in outputs)
+
+
+# --- log-mel front end and device choice ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("pad_to_window", "seconds", "frames"),
+    [(True, 2.0, 3000), (False, 2.0, 1000), (False, 9.5, 1050), (False, 30.0, 3000)],
+)
+def test_log_mel_frames(pad_to_window: bool, seconds: float, frames: int) -> None:
+    audio = np.zeros(int(seconds * PIPELINE_RATE), dtype=np.float32)
+    features = LogMelSpectrogram(80, pad_to_window=pad_to_window)(audio)
+    assert features.shape == (80, frames)
+    assert features.dtype == np.float32
+
+
+def test_cpu_device_uses_the_cpu_provider() -> None:
+    choice = resolve_device("cpu")
+    assert choice.onnx_providers == [CPU_PROVIDER]
+    assert choice.ct2_device == ("cpu", 0)
+    assert choice.ct2_compute_type() == "int8"
+
+
+def test_auto_device_always_ends_with_the_cpu_provider() -> None:
+    assert resolve_device("auto").onnx_providers[-1] == CPU_PROVIDER
+
+
+def test_unknown_device_is_rejected() -> None:
+    with pytest.raises(ValueError, match="unknown device"):
+        resolve_device("tpu")
+
+
+# --- the whole default stack ---------------------------------------------------------
+
+
+def test_default_stack_loads_every_engine_and_describes_them(prepared: PreparedModels) -> None:
+    stack = load_default_stack(
+        vad_model=prepared.vad,
+        whisper_dir=prepared.whisper,
+        llm_dir=prepared.llm,
+        voices=prepared.voices,
+        device="cpu",
+    )
+    assert stack.name == "default"
+    assert stack.tts.voices == list(prepared.voices)
+    text = "\n".join(stack.description)
+    for path in (prepared.vad, prepared.whisper, prepared.llm, *prepared.voices.values()):
+        assert str(path) in text
+    assert CPU_PROVIDER in text

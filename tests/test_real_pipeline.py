@@ -1,0 +1,185 @@
+"""The default stack end to end: real VAD, Whisper, Qwen and Piper behind a live socket.
+
+The spoken questions are synthesised by the server's own Piper voice (no
+external audio) and streamed in at real-time pace, 20 ms per append, as a
+microphone would. Whisper — the server's own — checks what was said back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import numpy as np
+import pytest
+from conftest import RealtimeClient, run, word_error_rate
+from openai import AsyncOpenAI
+
+from s2s_rt import Config, Server
+from s2s_rt.audio import float_to_pcm16, pcm16_to_float, resample
+from s2s_rt.engines.base import PIPELINE_RATE
+
+pytestmark = pytest.mark.slow
+
+RATE = 24_000
+CHUNK = RATE // 50  # 20 ms
+INSTRUCTIONS = "You are a helpful voice assistant. Answer in one short sentence."
+#: Greedy decoding, so each test hears the same answer every run.
+SETTINGS = {"instructions": INSTRUCTIONS, "temperature": 0.0}
+
+
+@asynccontextmanager
+async def real_server(pool_size: int = 2) -> AsyncIterator[Server]:
+    async with Server(Config(port=0, stack="default", pool_size=pool_size)) as server:
+        yield server
+
+
+def speak(server: Server, text: str) -> bytes:
+    """PCM16 at 24 kHz of the server's own voice saying ``text``."""
+    assert server.stack is not None
+    tts = server.stack.tts
+    audio = np.concatenate(list(tts.synthesize(text, voice=None, should_stop=lambda: False)))
+    return float_to_pcm16(resample(audio, tts.sample_rate, RATE))
+
+
+async def stream(c: RealtimeClient, pcm: bytes, trailing_silence_s: float = 1.2) -> float:
+    """Send ``pcm`` then silence at real-time pace; returns when the last voiced sample was sent."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    sent = 0
+    end_of_speech = 0.0
+    data = pcm + bytes(int(RATE * trailing_silence_s) * 2)
+    for i in range(0, len(data), CHUNK * 2):
+        await c.send("input_audio_buffer.append", audio=base64.b64encode(data[i : i + CHUNK * 2]).decode())
+        sent += CHUNK
+        if i < len(pcm):
+            end_of_speech = loop.time()
+        await asyncio.sleep(max(0.0, start + sent / RATE - loop.time()))
+    return end_of_speech
+
+
+def transcribe(server: Server, pcm24k: bytes) -> str:
+    assert server.stack is not None
+    audio = resample(pcm16_to_float(pcm24k), RATE, PIPELINE_RATE)
+    return server.stack.stt.transcribe(audio, language="en").text
+
+
+async def ask(server: Server, c: RealtimeClient, question: str) -> tuple[str, str, bytes]:
+    """Speak ``question``; returns (what the server heard, its answer's transcript, its answer's audio)."""
+    send = asyncio.create_task(stream(c, speak(server, question)))
+    heard = await c.until("conversation.item.input_audio_transcription.completed", timeout=30)
+    done = await c.until("response.done", timeout=60)
+    await send
+    assert done["response"]["status"] == "completed", done["response"]
+    rid = done["response"]["id"]
+    audio = b"".join(
+        base64.b64decode(e["delta"])
+        for e in c.events
+        if e["type"] == "response.output_audio.delta" and e["response_id"] == rid
+    )
+    answer = done["response"]["output"][0]["content"][0]["transcript"]
+    return heard["transcript"], answer, audio
+
+
+def check_answer_audio(server: Server, answer: str, audio: bytes) -> None:
+    samples = pcm16_to_float(audio)
+    assert len(samples) > RATE * 0.3, "less than 0.3 s of answer"
+    assert float(np.sqrt(np.mean(samples**2))) > 0.01, "the answer is silent"
+    spoken = transcribe(server, audio)
+    assert word_error_rate(answer, spoken) <= 0.30, (answer, spoken)
+
+
+def test_spoken_question_is_heard_and_answered_aloud() -> None:
+    async def scenario() -> None:
+        async with real_server() as server:
+            async with RealtimeClient.connect(server) as c:
+                await c.send("session.update", session=SETTINGS)
+                question = "What is the capital of France?"
+                heard, answer, audio = await ask(server, c, question)
+                assert word_error_rate(question, heard) <= 0.20, heard
+                assert answer.strip()
+                check_answer_audio(server, answer, audio)
+
+    run(scenario(), timeout=180)
+
+
+def test_spoken_turn_through_the_openai_sdk() -> None:
+    async def scenario() -> None:
+        async with real_server() as server:
+            question = "Which city is the capital of Italy?"
+            pcm = speak(server, question) + bytes(int(RATE * 1.2) * 2)
+            client = AsyncOpenAI(api_key="sk-local", websocket_base_url=f"ws://127.0.0.1:{server.port}/v1")
+            async with client.realtime.connect(model="s2s-rt") as conn:
+                await conn.session.update(session={"type": "realtime", **SETTINGS})
+
+                async def send() -> None:
+                    t0 = time.monotonic()
+                    for i in range(0, len(pcm), CHUNK * 2):
+                        await conn.input_audio_buffer.append(audio=base64.b64encode(pcm[i : i + CHUNK * 2]).decode())
+                        await asyncio.sleep(max(0.0, t0 + (i / 2 + CHUNK) / RATE - time.monotonic()))
+
+                sender = asyncio.create_task(send())
+                heard, transcript, audio = "", "", b""
+                async for event in conn:
+                    if event.type == "conversation.item.input_audio_transcription.completed":
+                        heard = event.transcript
+                    elif event.type == "response.output_audio.delta":
+                        audio += base64.b64decode(event.delta)
+                    elif event.type == "response.output_audio_transcript.delta":
+                        transcript += event.delta
+                    elif event.type == "response.done":
+                        assert event.response.status == "completed"
+                        break
+                await sender
+                assert word_error_rate(question, heard) <= 0.20, heard
+                check_answer_audio(server, transcript, audio)
+
+    run(scenario(), timeout=180)
+
+
+def test_barge_in_with_real_vad_cancels_within_300_ms_of_new_speech() -> None:
+    async def scenario() -> None:
+        async with real_server() as server:
+            async with RealtimeClient.connect(server) as c:
+                await c.send(
+                    "session.update",
+                    session={"instructions": "You are a storyteller. Tell long, detailed stories of many sentences."},
+                )
+                interruption = speak(server, "Stop, please stop.")
+                send = asyncio.create_task(stream(c, speak(server, "Tell me a long story about a dragon.")))
+                await c.until("response.output_audio.delta", timeout=60)
+                await send
+                loop = asyncio.get_running_loop()
+                speech_start = loop.time()
+                talk_over = asyncio.create_task(stream(c, interruption, trailing_silence_s=0.8))
+                done = await c.until("response.done", timeout=10)
+                cancelled_after = loop.time() - speech_start
+                await talk_over
+                assert done["response"]["status"] == "cancelled"
+                assert done["response"]["status_details"]["reason"] == "turn_detected"
+                assert cancelled_after <= 0.300, f"barge-in took {cancelled_after * 1000:.0f} ms"
+
+    run(scenario(), timeout=180)
+
+
+def test_two_sessions_talking_at_once_each_hear_only_their_own_words() -> None:
+    async def one(server: Server, question: str) -> tuple[str, str, list[dict]]:
+        async with RealtimeClient.connect(server) as c:
+            await c.send("session.update", session=SETTINGS)
+            heard, answer, audio = await ask(server, c, question)
+            assert pcm16_to_float(audio).size > RATE * 0.3
+            return heard, answer, c.events
+
+    async def scenario() -> None:
+        async with real_server() as server:
+            questions = {"germany": "What is the capital of Germany?", "spider": "How many legs does a spider have?"}
+            results = await asyncio.gather(*(one(server, q) for q in questions.values()))
+            for (heard, answer, events), (own, question) in zip(results, questions.items(), strict=True):
+                assert word_error_rate(question, heard) <= 0.20, heard
+                assert answer.strip()
+                other = next(k for k in questions if k != own)
+                text = " ".join(str(e) for e in events if e["type"] != "response.output_audio.delta").lower()
+                assert own in text and other not in text
