@@ -74,10 +74,14 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     voices: list[str] = []
     #: The model cache (``$S2S_RT_MODELS``; default ``~/.cache/s2s-rt/models``).
     models: str | None = None
+    #: Transcribe a turn once its closing silence has lasted this long, before
+    #: ``silence_duration_ms`` ends it, so the answer starts sooner; the guess is
+    #: dropped if speech returns. 0 turns it off; unset: 150 on the default stack, off on the fake one.
+    speculate_after_ms: int | None = None
     #: Threads inside one engine call, per engine kind.
     vad_threads: int = 1
     stt_threads: int = 1
-    llm_threads: int = 1
+    llm_threads: int = 2
     tts_threads: int = 1
     #: fake stack: extra time per STT call, per LLM token, per TTS word.
     fake_stt_delay_ms: int = 0

@@ -100,6 +100,9 @@ class Metrics:
         self.dropped_stale = Counter("s2s_stale_dropped_total", "Work dropped as stale, by stage.")
         self.stage_restarts = Counter("s2s_stage_restarts_total", "Slot task groups restarted after a crash.")
         self.turns = Counter("s2s_turns_total", "Responses finished, by status.")
+        self.speculations = Counter(
+            "s2s_speculative_stt_total", "Transcriptions started in a turn's closing silence, by outcome."
+        )
         self.stage_latency = Histogram("s2s_stage_seconds", "Time per engine call, by stage.")
         self.turn_latency = Histogram(
             "s2s_turn_first_audio_seconds", "End of user speech to first response audio sent."

@@ -173,6 +173,11 @@ class Server:
                 drain_timeout_s=cfg.drain_timeout_s,
                 max_input_buffer_s=cfg.max_input_buffer_s,
                 send_timeout_s=cfg.send_timeout_s,
+                speculate_after_ms=(
+                    cfg.speculate_after_ms
+                    if cfg.speculate_after_ms is not None
+                    else (150 if self.stack.name == "default" else 0)
+                ),
             )
             for i in range(cfg.pool_size)
         ]

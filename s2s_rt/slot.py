@@ -37,7 +37,7 @@ import numpy as np
 from websockets.exceptions import ConnectionClosed
 
 from s2s_rt.audio import AudioFormat, AudioFormatError, Resampler
-from s2s_rt.engines.base import PIPELINE_RATE, ChatMessage, Float32Array, LLMUsage, Stack
+from s2s_rt.engines.base import PIPELINE_RATE, ChatMessage, Float32Array, LLMUsage, Stack, Transcript
 from s2s_rt.generation import Generation
 from s2s_rt.inference import EngineTimeout, StagePool, VadBatcher
 from s2s_rt.metrics import Metrics
@@ -116,6 +116,8 @@ class Transcribe:
     audio: Float32Array
     respond: bool
     speech_end: float | None
+    #: A transcription of this turn started during its closing silence, if any.
+    speculation: asyncio.Task[Transcript] | None = None
 
 
 @dataclass(slots=True)
@@ -249,6 +251,7 @@ class SessionContext:
         td = session.config.turn_detection
         self.detector = TurnDetector(td) if td is not None else None
         self.turn_item_id: str | None = None
+        self.speculation: asyncio.Task[Transcript] | None = None
         self.idle_from = 0  # sample clock when idle time started counting
         self.started = time.monotonic()
 
@@ -269,6 +272,7 @@ class Slot:
         drain_timeout_s: teardown deadline before quarantine.
         max_input_buffer_s: most uncommitted input audio per session.
         send_timeout_s: how long one send may wait for a client that does not read.
+        speculate_after_ms: silence after which a turn is transcribed ahead of its end (0: never).
     """
 
     def __init__(
@@ -283,6 +287,7 @@ class Slot:
         drain_timeout_s: float = 5.0,
         max_input_buffer_s: float = 900.0,
         send_timeout_s: float = 10.0,
+        speculate_after_ms: int = 0,
     ) -> None:
         self.index = index
         self.stack = stack
@@ -291,6 +296,7 @@ class Slot:
         self.metrics = metrics
         self.drain_timeout_s = drain_timeout_s
         self.send_timeout_s = send_timeout_s
+        self.speculate_after_ms = speculate_after_ms
         self.max_input_samples = ms_to_samples(max_input_buffer_s * 1000)
         self.state = SlotState.IDLE
         self.state_since = time.monotonic()
@@ -331,6 +337,8 @@ class Slot:
         self.transition(SlotState.DRAINING)
         # Phase 1: everything this session asked for is stale from now on.
         self.generation.new_session()
+        if self.ctx is not None and self.ctx.speculation is not None:
+            self.ctx.speculation.cancel()
         dropped = 0
         for q in (self.vad_q, self.stt_q, self.llm_q, self.tts_q, self.out_q):
             while not q.empty():
@@ -653,6 +661,8 @@ class Slot:
                 await self._speech_stopped(ctx, turn)
             elif not ctx.detector.speaking:
                 await self._idle_check(ctx)
+            else:
+                self._speculate(ctx)
         if not ctx.detector.speaking:
             td = ctx.detector.settings
             # Keep only what a coming turn's prefix padding may need.
@@ -660,6 +670,9 @@ class Slot:
 
     async def _speech_started(self, ctx: SessionContext, turn: SpeechStart) -> None:
         session = ctx.session
+        if ctx.speculation is not None:
+            ctx.speculation.cancel()
+            ctx.speculation = None
         td = ctx.detector.settings if ctx.detector else None
         ctx.turn_item_id = new_id("item")
         events: list[ServerEvent] = [session.speech_started(int(turn.audio_start_ms), ctx.turn_item_id)]
@@ -684,7 +697,42 @@ class Slot:
         events += session.commit_audio(item_id, samples_to_ms(len(audio)))
         await self.emit(events)
         respond = bool(td and td.create_response)
-        await self.stt_q.put(Transcribe(self.generation.current, item_id, audio, respond, speech_end))
+        speculation, ctx.speculation = ctx.speculation, None
+        if speculation is not None:
+            self.metrics.speculations.inc(outcome="used")
+        await self.stt_q.put(Transcribe(self.generation.current, item_id, audio, respond, speech_end, speculation))
+
+    def _speculate(self, ctx: SessionContext) -> None:
+        """While a turn's closing silence runs, transcribe what was said so far.
+
+        If the silence lasts, the turn ends with this transcript already made
+        (or nearly); if speech returns, the guess is dropped. The silence
+        itself holds no words, so the transcript is the turn's.
+        """
+        detector = ctx.detector
+        if detector is None or not self.speculate_after_ms:
+            return
+        silence_ms = samples_to_ms(ctx.clock) - detector.last_voice_ms
+        if ctx.speculation is not None:
+            if silence_ms == 0:  # speech came back: the guess is stale
+                ctx.speculation.cancel()
+                ctx.speculation = None
+                self.metrics.speculations.inc(outcome="discarded")
+            return
+        if silence_ms < self.speculate_after_ms:
+            return
+        audio = ctx.buffer.audio()[max(0, ms_to_samples(detector.start_ms) - ctx.buffer.start_sample) :].copy()
+        tr = ctx.session.config.transcription
+        ctx.speculation = task = asyncio.create_task(
+            self.pools["stt"].call(
+                self.stack.stt.transcribe,
+                audio,
+                language=tr.language if tr else None,
+                prompt=tr.prompt if tr else None,
+            )
+        )
+        # Its outcome is read by the STT stage, or it is cancelled; never left unread.
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     async def _idle_check(self, ctx: SessionContext) -> None:
         td = ctx.detector.settings if ctx.detector else None
@@ -745,12 +793,15 @@ class Slot:
         session = ctx.session
         tr = session.config.transcription
         try:
-            result = await self.pools["stt"].call(
-                self.stack.stt.transcribe,
-                job.audio,
-                language=tr.language if tr else None,
-                prompt=tr.prompt if tr else None,
-            )
+            if job.speculation is not None:
+                result = await job.speculation
+            else:
+                result = await self.pools["stt"].call(
+                    self.stack.stt.transcribe,
+                    job.audio,
+                    language=tr.language if tr else None,
+                    prompt=tr.prompt if tr else None,
+                )
         except Exception as exc:
             log.warning("slot %d: transcription failed: %r", self.index, exc)
             if not self._stale(job):
@@ -974,16 +1025,19 @@ _CLAUSE_END = re.compile(r"(?<=[.!?;:])\s+|(?<=[,])\s+(?=\S{2,})")
 class ClauseSplitter:
     """Cuts streamed text into clauses so speech can start before the answer ends.
 
-    The first piece is cut at the first clause boundary (comma included) to
-    start speaking soon; later pieces at sentence ends, so the voice keeps a
-    natural flow.
+    The first piece is cut at the first clause boundary (comma included), or
+    after ``first_words`` words if no boundary comes sooner, to start
+    speaking soon: a short answer is often one sentence, and waiting for its
+    end would wait for the whole answer. Later pieces are cut at sentence
+    ends, so the voice keeps a natural flow.
     """
 
-    def __init__(self, first_min_chars: int = 12, min_chars: int = 40) -> None:
+    def __init__(self, first_min_chars: int = 12, min_chars: int = 20, first_words: int = 5) -> None:
         self.text = ""
         self.first = True
         self.first_min_chars = first_min_chars
         self.min_chars = min_chars
+        self._first_words = re.compile(r"\s*(?:\S+\s+){%d}" % first_words)
 
     def feed(self, piece: str) -> list[str]:
         self.text += piece
@@ -996,9 +1050,11 @@ class ClauseSplitter:
                 if m.start() >= limit and (is_sentence or self.first):
                     cut = m
                     break
+            if cut is None and self.first:
+                cut = self._first_words.match(self.text)
             if cut is None:
                 return out
-            clause = self.text[: cut.start()].strip()
+            clause = self.text[: cut.end()].strip() if cut.re is self._first_words else self.text[: cut.start()].strip()
             self.text = self.text[cut.end() :]
             if clause:
                 out.append(clause)

@@ -64,7 +64,10 @@ async def stream(c: RealtimeClient, pcm: bytes, trailing_silence_s: float = 1.2)
 def transcribe(server: Server, pcm24k: bytes) -> str:
     assert server.stack is not None
     audio = resample(pcm16_to_float(pcm24k), RATE, PIPELINE_RATE)
-    return server.stack.stt.transcribe(audio, language="en").text
+    # A moment of silence first, as a listener would have: Whisper tends to
+    # mangle a word that starts at the very first sample.
+    lead_in = np.zeros(PIPELINE_RATE // 2, np.float32)
+    return server.stack.stt.transcribe(np.concatenate([lead_in, audio]), language="en").text
 
 
 async def ask(server: Server, c: RealtimeClient, question: str) -> tuple[str, str, bytes]:
