@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from conftest import RealtimeClient, live_server, run, silence, tone
+from conftest import RealtimeClient, http_get, live_server, run, silence, tone
 
 
 def test_server_vad_turn_produces_the_full_event_sequence_in_order() -> None:
@@ -287,5 +287,25 @@ def test_g711_output_format_sends_8khz_bytes() -> None:
                 audio = b"".join(base64.b64decode(e["delta"]) for e in c.of_type("response.audio.delta"))
                 # "You said: one two." is four words of 120 ms each, at 8000 one-byte samples per second.
                 assert abs(len(audio) - 4 * 0.12 * 8000) < 50
+
+    run(scenario())
+
+
+def test_speculative_transcription_is_used_when_silence_lasts_and_dropped_when_speech_returns() -> None:
+    async def scenario() -> None:
+        async with live_server(speculate_after_ms=100) as server:
+            async with RealtimeClient.connect(server) as c:
+                # A pause longer than the speculation point but shorter than the silence duration.
+                await c.append_audio(tone(440, 0.4) + silence(0.25) + tone(440, 0.4) + silence(0.8))
+                heard = await c.until("conversation.item.input_audio_transcription.completed")
+                await c.until("response.done")
+                # The transcript is of the whole turn: both tones, not the guess made in the pause.
+                ms = int(heard["transcript"].split()[1])
+                assert ms >= 400 + 250 + 400
+                metrics = (await http_get(server, "/metrics"))[1]
+                assert 's2s_speculative_stt_total{outcome="discarded"} 1' in metrics
+                assert 's2s_speculative_stt_total{outcome="used"} 1' in metrics
+                # Only one user turn was committed.
+                assert len(c.of_type("input_audio_buffer.committed")) == 1
 
     run(scenario())
