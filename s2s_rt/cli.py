@@ -1,9 +1,10 @@
-"""The ``s2s-rt`` command: ``serve`` (and ``models`` once real models are installed)."""
+"""The ``s2s-rt`` command: ``serve``, and ``models``, ``talk`` and ``bench``."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import sys
 
 from s2s_rt.config import ConfigError, load_config
@@ -54,23 +55,24 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
 
 
+#: Subcommands with argument parsers of their own: name -> (module with main(argv), what it does).
+DELEGATED = {
+    "models": ("s2s_rt.models.cli", "prepare, list or verify the model cache"),
+    "talk": ("s2s_rt.talk", "say one thing (a WAV or text) and save the spoken answer"),
+    "bench": ("s2s_rt.bench", "the load generator: latency per turn, capacity, memory"),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="s2s-rt", description="OpenAI-Realtime-compatible speech-to-speech server")
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
-    sub.add_parser("models", help="prepare, list or verify the model cache (s2s-rt models --help)", add_help=False)
-    sub.add_parser(
-        "talk", help="say one thing (a WAV or text) and save the spoken answer (s2s-rt talk --help)", add_help=False
-    )
+    for name, (_, what) in DELEGATED.items():
+        sub.add_parser(name, help=f"{what} (s2s-rt {name} --help)", add_help=False)
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["models"]:
-        from s2s_rt.models.cli import main as models_main
-
-        return models_main(argv[1:])
-    if argv[:1] == ["talk"]:
-        from s2s_rt.talk import main as talk_main
-
-        return talk_main(argv[1:])
+    if argv[:1] and argv[0] in DELEGATED:
+        module = importlib.import_module(DELEGATED[argv[0]][0])
+        return int(module.main(argv[1:]))
     args = parser.parse_args(argv)
     if args.command == "serve":
         overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config", "workers")}
