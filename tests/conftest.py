@@ -109,13 +109,22 @@ class RealtimeClient:
             if pace_s:
                 await asyncio.sleep(pace_s)
 
-    async def say_text(self, text: str) -> dict[str, Any]:
-        """Add a user text item and ask for a response; returns response.done."""
+    async def add_user_text(self, text: str, **fields: Any) -> None:
+        """Add a user message with ``text`` to the conversation."""
         await self.send(
             "conversation.item.create",
             item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]},
+            **fields,
         )
-        await self.send("response.create")
+
+    async def ask(self, text: str, **response: Any) -> None:
+        """Add a user message and ask for a response (with ``response`` parameters), without waiting."""
+        await self.add_user_text(text)
+        await self.send("response.create", **({"response": response} if response else {}))
+
+    async def say_text(self, text: str, **response: Any) -> dict[str, Any]:
+        """Add a user text item and ask for a response; returns response.done."""
+        await self.ask(text, **response)
         return await self.until("response.done")
 
     def of_type(self, type: str) -> list[dict[str, Any]]:

@@ -100,15 +100,7 @@ def test_second_response_while_one_is_active_is_refused() -> None:
     async def scenario() -> None:
         async with live_server() as server:
             async with RealtimeClient.connect(server) as c:
-                await c.send(
-                    "conversation.item.create",
-                    item={
-                        "type": "message",
-                        "role": "user",
-                        "content": [{"type": "input_text", "text": "[[slow 50]] take your time. please."}],
-                    },
-                )
-                await c.send("response.create")
+                await c.ask("[[slow 50]] take your time. please.")
                 await c.send("response.create", event_id="second")
                 err = await c.until("error")
                 assert err["error"]["code"] == "conversation_already_has_active_response"
@@ -133,6 +125,7 @@ def test_frame_above_max_size_closes_only_that_connection_with_1009() -> None:
                 assert big.ws.close_code == 1009
                 done = await other.say_text("fine")
                 assert done["response"]["status"] == "completed"
+
             # The slot comes back.
             async def both_idle() -> bool:
                 return json.loads((await http_get(server, "/v1/pool"))[1])["states"]["idle"] == 2

@@ -76,15 +76,7 @@ def test_crashed_stage_restarts_its_slot_and_the_slot_serves_again(monkeypatch: 
     async def scenario() -> None:
         async with live_server(pool_size=1) as server:
             async with RealtimeClient.connect(server) as c:
-                await c.send(
-                    "conversation.item.create",
-                    item={
-                        "type": "message",
-                        "role": "user",
-                        "content": [{"type": "input_text", "text": "crash the stage"}],
-                    },
-                )
-                await c.send("response.create")
+                await c.ask("crash the stage")
                 with pytest.raises(ConnectionClosed):
                     while True:
                         await c.recv()

@@ -24,21 +24,12 @@ REMINDER = {
 }
 
 
-async def _ask(c: RealtimeClient, text: str, **response: object) -> dict:
-    await c.send(
-        "conversation.item.create",
-        item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]},
-    )
-    await c.send("response.create", **({"response": response} if response else {}))
-    return await c.until("response.done")
-
-
 def test_model_call_becomes_function_call_item_and_result_is_spoken() -> None:
     async def scenario() -> None:
         async with live_server() as server:
             async with RealtimeClient.connect(server) as c:
                 await c.send("session.update", session={"tools": [WEATHER, REMINDER], "tool_choice": "auto"})
-                done = await _ask(c, "please get_weather Paris now")
+                done = await c.say_text("please get_weather Paris now")
                 [item] = done["response"]["output"]
                 assert item["type"] == "function_call" and item["name"] == "get_weather"
                 assert json.loads(item["arguments"]) == {"city": "Paris", "unit": "celsius"}
@@ -88,11 +79,11 @@ def test_tool_choice_none_required_and_named() -> None:
         async with live_server() as server:
             async with RealtimeClient.connect(server) as c:
                 await c.send("session.update", session={"tools": [WEATHER, REMINDER]})
-                none = await _ask(c, "get_weather Oslo", tool_choice="none")
+                none = await c.say_text("get_weather Oslo", tool_choice="none")
                 assert none["response"]["output"][0]["type"] == "message"
-                required = await _ask(c, "hello there", tool_choice="required", output_modalities=["text"])
+                required = await c.say_text("hello there", tool_choice="required", output_modalities=["text"])
                 assert required["response"]["output"][0]["name"] == "get_weather"
-                named = await _ask(c, "hello again", tool_choice={"type": "function", "name": "set_reminder"})
+                named = await c.say_text("hello again", tool_choice={"type": "function", "name": "set_reminder"})
                 assert named["response"]["output"][0]["name"] == "set_reminder"
                 assert json.loads(named["response"]["output"][0]["arguments"]) == {"minutes": 1}
                 await c.send(
@@ -107,9 +98,9 @@ def test_tools_per_response_without_session_tools() -> None:
     async def scenario() -> None:
         async with live_server() as server:
             async with RealtimeClient.connect(server) as c:
-                done = await _ask(c, "set_reminder please", tools=[REMINDER])
+                done = await c.say_text("set_reminder please", tools=[REMINDER])
                 assert done["response"]["output"][0]["name"] == "set_reminder"
-                plain = await _ask(c, "set_reminder please")
+                plain = await c.say_text("set_reminder please")
                 assert plain["response"]["output"][0]["type"] == "message"
 
     run(scenario())
@@ -120,10 +111,10 @@ def test_invalid_arguments_are_retried_once_then_reported_as_text() -> None:
         async with live_server() as server:
             async with RealtimeClient.connect(server) as c:
                 await c.send("session.update", session={"tools": [WEATHER]})
-                fixed = await _ask(c, "get_weather Rome [[bad-args]]")
+                fixed = await c.say_text("get_weather Rome [[bad-args]]")
                 assert fixed["response"]["output"][0]["type"] == "function_call"
                 assert json.loads(fixed["response"]["output"][0]["arguments"])["city"] == "Rome"
-                hopeless = await _ask(c, "get_weather Rome [[always-bad]]")
+                hopeless = await c.say_text("get_weather Rome [[always-bad]]")
                 [message] = hopeless["response"]["output"]
                 assert message["type"] == "message"
                 said = message["content"][0]["transcript"]

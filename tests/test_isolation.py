@@ -71,15 +71,7 @@ def test_new_client_on_same_slot_never_receives_the_old_response() -> None:
         async with live_server(pool_size=1) as server:
             async with RealtimeClient.connect(server) as old:
                 await old.until("session.created")
-                await old.send(
-                    "conversation.item.create",
-                    item={
-                        "type": "message",
-                        "role": "user",
-                        "content": [{"type": "input_text", "text": "[[slow 100]] secret words of the old client"}],
-                    },
-                )
-                await old.send("response.create")
+                await old.ask("[[slow 100]] secret words of the old client")
                 await old.until("response.output_audio.delta")
             # Disconnected mid-response; the next client claims the same slot at once.
             t0 = time.monotonic()

@@ -67,15 +67,7 @@ def test_stuck_stage_past_drain_deadline_quarantines_slot_and_others_keep_servin
             async with RealtimeClient.connect(server) as a:
                 await a.until("session.created")
                 # This engine call blocks its thread for 2 s and ignores cancellation.
-                await a.send(
-                    "conversation.item.create",
-                    item={
-                        "type": "message",
-                        "role": "user",
-                        "content": [{"type": "input_text", "text": "[[block 2000]] hi"}],
-                    },
-                )
-                await a.send("response.create")
+                await a.ask("[[block 2000]] hi")
                 await a.until("response.created")
 
             async def quarantined() -> bool:

@@ -89,20 +89,7 @@ def test_response_cancel_ends_with_cancelled_client_cancelled_and_no_more_output
     async def scenario() -> None:
         async with live_server() as server:
             async with RealtimeClient.connect(server) as c:
-                await c.send(
-                    "conversation.item.create",
-                    item={
-                        "type": "message",
-                        "role": "user",
-                        "content": [
-                            {
-                                "type": "input_text",
-                                "text": "[[slow 80]] a long answer. with many words. in it. and more words. to come.",
-                            }
-                        ],
-                    },
-                )
-                await c.send("response.create")
+                await c.ask("[[slow 80]] a long answer. with many words. in it. and more words. to come.")
                 created = await c.until("response.output_audio.delta")
                 await c.send("response.cancel", event_id="cancel_1")
                 done = await c.until("response.done")
@@ -125,20 +112,7 @@ def test_barge_in_cancels_with_turn_detected_and_truncate_trims_transcript() -> 
     async def scenario() -> None:
         async with live_server() as server:
             async with RealtimeClient.connect(server) as c:
-                await c.send(
-                    "conversation.item.create",
-                    item={
-                        "type": "message",
-                        "role": "user",
-                        "content": [
-                            {
-                                "type": "input_text",
-                                "text": "[[slow 60]] one two three four. five six seven eight. nine ten eleven twelve.",
-                            }
-                        ],
-                    },
-                )
-                await c.send("response.create")
+                await c.ask("[[slow 60]] one two three four. five six seven eight. nine ten eleven twelve.")
                 first = await c.until("response.output_audio_transcript.delta")
                 item_id = first["item_id"]
                 # The user talks over the answer.
@@ -170,15 +144,7 @@ def test_interrupt_response_false_lets_the_answer_finish() -> None:
                         "turn_detection": {"type": "server_vad", "interrupt_response": False, "create_response": False}
                     },
                 )
-                await c.send(
-                    "conversation.item.create",
-                    item={
-                        "type": "message",
-                        "role": "user",
-                        "content": [{"type": "input_text", "text": "[[slow 30]] keep talking please"}],
-                    },
-                )
-                await c.send("response.create")
+                await c.ask("[[slow 30]] keep talking please")
                 await c.until("response.output_audio.delta")
                 await c.append_audio(tone(440, 0.3))
                 done = await c.until("response.done")
@@ -247,22 +213,12 @@ def test_text_only_response_and_per_response_overrides() -> None:
     async def scenario() -> None:
         async with live_server() as server:
             async with RealtimeClient.connect(server) as c:
-                await c.send(
-                    "conversation.item.create",
-                    item={
-                        "type": "message",
-                        "role": "user",
-                        "content": [{"type": "input_text", "text": "alpha beta gamma delta"}],
-                    },
-                )
-                await c.send(
-                    "response.create",
-                    response={
-                        "output_modalities": ["text"],
-                        "max_output_tokens": 3,
-                        "conversation": "none",
-                        "metadata": {"k": "v"},
-                    },
+                await c.ask(
+                    "alpha beta gamma delta",
+                    output_modalities=["text"],
+                    max_output_tokens=3,
+                    conversation="none",
+                    metadata={"k": "v"},
                 )
                 done = await c.until("response.done")
                 assert done["response"]["output"][0]["content"][0]["text"] == "You said: alpha"
