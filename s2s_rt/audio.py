@@ -7,6 +7,7 @@ G.711 μ-law / A-law at 8 kHz. Inside, the pipeline works on float32 in
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from math import gcd
 
@@ -159,6 +160,23 @@ _ALAW_DECODE = _alaw_decode_table()
 # --- Streaming resampling -------------------------------------------------
 
 
+@functools.lru_cache(maxsize=32)
+def _filter_bank(up: int, down: int, taps_per_phase: int) -> Float32Array:
+    """The polyphase windowed-sinc bank for one rate ratio, built once per process."""
+    # Cut-off at the lower Nyquist so downsampling does not alias.
+    cutoff = min(1.0, up / down)
+    n_taps = taps_per_phase * up
+    t = (np.arange(n_taps) - (n_taps - 1) / 2) / up
+    proto = cutoff * np.sinc(cutoff * t) * np.kaiser(n_taps, 8.0)
+    # Phase p uses taps p, p+up, p+2up, … (reversed for the dot product).
+    bank = proto.reshape(taps_per_phase, up).T[:, ::-1]
+    # Unit DC gain for every phase keeps a tone's level exact.
+    bank = bank / bank.sum(axis=1, keepdims=True)
+    out: Float32Array = bank.astype(np.float32)
+    out.flags.writeable = False
+    return out
+
+
 class Resampler:
     """Streaming rational-rate resampler (windowed-sinc polyphase FIR).
 
@@ -174,24 +192,14 @@ class Resampler:
         self.down = src_rate // g
         self.src_rate = src_rate
         self.dst_rate = dst_rate
-        if self.up == self.down:
-            self._filters = np.ones((1, 1), dtype=np.float32)
-            self._history = np.zeros(0, dtype=np.float32)
-            return
-        # Cut-off at the lower Nyquist so downsampling does not alias.
-        cutoff = min(1.0, self.up / self.down)
-        n_taps = taps_per_phase * self.up
-        t = (np.arange(n_taps) - (n_taps - 1) / 2) / self.up
-        proto = cutoff * np.sinc(cutoff * t) * np.kaiser(n_taps, 8.0)
-        # Polyphase bank: phase p uses taps p, p+up, p+2up, … (reversed for dot).
-        bank = proto.reshape(taps_per_phase, self.up).T[:, ::-1]
-        # Unit DC gain for every phase keeps a tone's level exact.
-        bank = bank / bank.sum(axis=1, keepdims=True)
-        self._filters = bank.astype(np.float32)
         self._taps = taps_per_phase
-        self._history = np.zeros(taps_per_phase - 1, dtype=np.float32)
+        self._history = np.zeros(taps_per_phase - 1 if self.up != self.down else 0, dtype=np.float32)
         self._next = 0  # output index, in units of 1/up input samples
         self._consumed = 0  # input samples consumed before _history
+        # Gather indices and filters per (chunk length, phase of the input
+        # clock): a session's chunks repeat a few shapes, so each call is one
+        # gather and one dot product.
+        self._plans: dict[tuple[int, int], tuple[npt.NDArray[np.intp], Float32Array]] = {}
 
     def process(self, samples: Float32Array) -> Float32Array:
         """Resample the next chunk; returns what can be produced so far."""
@@ -199,27 +207,38 @@ class Resampler:
         if self.up == self.down:
             return samples
         buf = np.concatenate([self._history, samples])
+        key = (len(samples), self._consumed % self.down)
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) >= 64:
+                self._plans.clear()
+            plan = self._plans[key] = self._plan(len(samples))
+        window, filters = plan
+        self._next += len(window)
+        self._roll(buf)
+        if not len(window):
+            return np.zeros(0, dtype=np.float32)
+        out: Float32Array = np.einsum("ij,ij->i", buf[window], filters)
+        return out
+
+    def _plan(self, n: int) -> tuple[npt.NDArray[np.intp], Float32Array]:
+        """Which inputs and which filter phase make each output of an ``n``-sample chunk.
+
+        Output k sits at input position k*down/up; it needs inputs up to
+        floor(pos) and the taps-1 before it. Every k whose newest input has
+        arrived is produced: floor(k*down/up) <= last, i.e. k < (last+1)*up/down.
+        The result depends only on ``n`` and the input clock modulo ``down``.
+        """
         taps = self._taps
-        # Output k sits at input position k*down/up; it needs inputs up to
-        # floor(pos) and the taps-1 before it. Produce every k whose newest
-        # input has arrived: floor(k*down/up) <= last, i.e. k < (last+1)*up/down.
         start = self._next
         base = self._consumed - (taps - 1)  # absolute index of buf[0]
-        last = self._consumed + len(samples) - 1  # last absolute input index
-        end = -((-(last + 1) * self.up) // self.down)
-        if end <= start:
-            self._roll(buf)
-            return np.zeros(0, dtype=np.float32)
-        k = np.arange(start, end)
+        end = -((-(self._consumed + n) * self.up) // self.down)
+        k = np.arange(start, max(start, end))
         pos = k * self.down
-        idx = pos // self.up - base  # index of newest input in buf
-        phase = pos % self.up
+        idx = pos // self.up - base  # index of the newest input in buf
         window = idx[:, None] - np.arange(taps - 1, -1, -1)[None, :]
-        frames = buf[window]
-        out: Float32Array = np.einsum("ij,ij->i", frames, self._filters[phase])
-        self._next = end
-        self._roll(buf)
-        return out.astype(np.float32)
+        filters = _filter_bank(self.up, self.down, taps)[pos % self.up]
+        return window, filters
 
     def _roll(self, buf: Float32Array) -> None:
         keep = self._taps - 1
