@@ -7,7 +7,7 @@ MODELS := $(VENV)/.models-installed
 ARGS   ?=
 PYTEST_ARGS ?=
 
-.PHONY: install models serve test soak lint clean
+.PHONY: install models serve test bench soak lint clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,11 @@ serve: install
 
 test: models
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# Latency, capacity and memory as in BENCHMARKS.md (about 20 minutes on 2 cores).
+bench: install
+	$(BIN)/s2s-rt models prepare
+	$(BIN)/s2s-rt bench --mode suite --out bench-results $(ARGS)
 
 # About 10 minutes: 50 fake-stack sessions come, talk, misbehave and leave (see BENCHMARKS.md).
 soak: install

@@ -1037,7 +1037,7 @@ class ClauseSplitter:
         self.first = True
         self.first_min_chars = first_min_chars
         self.min_chars = min_chars
-        self._first_words = re.compile(r"\s*(?:\S+\s+){%d}" % first_words)
+        self._first_words = re.compile(r"\s*(?:\S+\s+){" + str(first_words) + "}")
 
     def feed(self, piece: str) -> list[str]:
         self.text += piece

@@ -1,0 +1,133 @@
+"""The load script (``bin/s2s-rt-load``) against a fake-stack server, for a few seconds.
+
+It must report every turn it played, with every interval, and it must notice
+an event that belongs to another session: a proxy between it and the server
+copies one session's event into another session's stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from conftest import live_server, run
+from websockets.asyncio.client import connect
+from websockets.asyncio.server import ServerConnection, serve
+from websockets.exceptions import ConnectionClosed
+
+from s2s_rt import bench
+
+ROOT = Path(__file__).resolve().parent.parent
+#: Short turns: tone questions (the fake stack's own TTS), 300 ms of silence ends a turn.
+QUICK = ["--speech", "tone", "--silence-ms", "300", "--pause-s", "0.2", "--ramp-s", "0.3", "--quiet"]
+TURN_TIMES = ("speech_sent", "speech_started", "speech_stopped", "committed", "transcribed")
+RESPONSE_TIMES = ("response_created", "first_audio", "response_done")
+
+
+def test_load_script_answers_every_turn_and_reports_every_interval(tmp_path: Path) -> None:
+    out = tmp_path / "report.json"
+    argv = [sys.executable, str(ROOT / "bin" / "s2s-rt-load"), "--spawn", "--stack", "fake"]
+    argv += ["--sessions", "3", "--turns", "2", "--json", str(out), "--speech-cache", str(tmp_path / "speech"), *QUICK]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=90, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(out.read_text())
+
+    assert report["ok"] is True
+    counts = report["counts"]
+    assert counts["sessions_opened"] == 3
+    assert counts["turns_planned"] == counts["turns_answered"] == 6
+    for key in ("foreign_events", "lost_events", "unanswered_turns", "rejections", "error_events"):
+        assert counts[key] == 0, key
+    assert len(report["turns"]) == 6
+    for turn in report["turns"]:
+        assert turn["status"] == "completed" and turn["failure"] is None
+        assert turn["transcript"].startswith("heard ")
+        times = turn["times_from_end_of_speech_s"]
+        assert all(times[name] is not None for name in TURN_TIMES + RESPONSE_TIMES), times
+        assert times["speech_sent"] < 0 < times["speech_stopped"] <= times["first_audio"] <= times["response_done"]
+    for label, _, _ in bench.INTERVALS:
+        stats = report["intervals_s"][label]
+        assert stats["n"] == 6 and stats["p50"] is not None and stats["p99"] >= stats["p50"], label
+    # The turn ends no sooner than the silence the session asked for.
+    assert report["intervals_s"]["end of speech → speech_stopped"]["p50"] >= 0.3
+    assert report["settings"]["silence_duration_ms"] == 300
+    server = report["server"]
+    assert server["cpu_s"] > 0 and server["rss_mb_after"] > 0 and server["messages_per_s"] > 0
+    assert server["loop_lag"]["count"] > 0
+    assert "END OF SPEECH → FIRST AUDIO DELTA" in done.stdout
+
+
+@asynccontextmanager
+async def injecting_proxy(upstream: str) -> AsyncIterator[tuple[str, asyncio.Event]]:
+    """A relay that copies the first session's first transcript into the second session."""
+    downstream: list[ServerConnection] = []
+    injected = asyncio.Event()
+
+    async def relay(down: ServerConnection) -> None:
+        index = len(downstream)
+        downstream.append(down)
+        async with connect(upstream, max_size=None) as up:
+
+            async def to_server() -> None:
+                async for message in down:
+                    await up.send(message)
+
+            async def to_client() -> None:
+                async for message in up:
+                    await down.send(message)
+                    event: dict[str, Any] = json.loads(message)
+                    transcript = event["type"] == "conversation.item.input_audio_transcription.completed"
+                    if index == 0 and transcript and len(downstream) > 1 and not injected.is_set():
+                        with contextlib.suppress(ConnectionClosed):
+                            await downstream[1].send(message)
+                            injected.set()
+
+            tasks = [asyncio.create_task(to_server()), asyncio.create_task(to_client())]
+            with contextlib.suppress(ConnectionClosed):
+                await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async with serve(relay, "127.0.0.1", 0, max_size=None) as proxy:
+        port = proxy.sockets[0].getsockname()[1]
+        yield f"ws://127.0.0.1:{port}/v1/realtime", injected
+
+
+def test_load_script_fails_on_an_event_from_another_session(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with live_server(pool_size=2) as server:
+            async with injecting_proxy(f"ws://127.0.0.1:{server.port}/v1/realtime") as (url, injected):
+                argv = ["--url", url, "--sessions", "2", "--turns", "2", *QUICK]
+                report = await bench.run_async(bench.parse_args([*argv, "--speech-cache", str(tmp_path)]))
+        assert injected.is_set(), "the proxy found no moment to inject"
+        assert report["ok"] is False
+        assert report["counts"]["foreign_events"] == 1
+        (failure,) = [f for f in report["failures"] if f["kind"] == "foreign_events"]
+        assert failure["session"] == 1
+        assert "conversation.item.input_audio_transcription.completed" in failure["detail"]
+        assert "session 0's" in failure["detail"]
+        # The foreign event changed nothing else: every turn still got its own answer.
+        assert report["counts"]["turns_answered"] == 4
+
+    run(scenario(), timeout=60)
+
+
+def test_load_script_counts_rejections_when_the_pool_is_full(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with live_server(pool_size=1) as server:
+            argv = ["--url", f"ws://127.0.0.1:{server.port}/v1/realtime", "--sessions", "2", "--turns", "1"]
+            argv += [*QUICK, "--ramp-s", "0", "--speech-cache", str(tmp_path)]
+            report = await bench.run_async(bench.parse_args(argv))
+        assert report["counts"]["rejections"] == 1
+        assert report["counts"]["turns_answered"] == 1
+        assert report["ok"] is False
+
+    run(scenario(), timeout=60)
