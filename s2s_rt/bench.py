@@ -85,6 +85,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake
 
 from s2s_rt.speech_cache import RATE, Clip, load_questions
+from s2s_rt.wer import word_error_rate
 
 #: One Silero (and fake energy) VAD window: 512 samples at 16 kHz.
 VAD_CHUNK_MS = 32
@@ -94,21 +95,6 @@ _json = msgspec.json.Decoder()
 
 
 # --- statistics ----------------------------------------------------------------
-
-
-def word_error_rate(reference: str, hypothesis: str) -> float:
-    """Word-level edit distance over the reference's length (case and punctuation ignored)."""
-
-    def words(text: str) -> list[str]:
-        return re.sub(r"[^a-z0-9' ]+", " ", text.lower()).split()
-
-    ref, hyp = words(reference), words(hypothesis)
-    d = list(range(len(hyp) + 1))
-    for i, r in enumerate(ref, 1):
-        prev, d[0] = d[0], i
-        for j, h in enumerate(hyp, 1):
-            prev, d[j] = d[j], min(d[j] + 1, d[j - 1] + 1, prev + (r != h))
-    return d[len(hyp)] / max(len(ref), 1)
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:

@@ -11,7 +11,6 @@ import asyncio
 import base64
 import json
 import os
-import re
 import urllib.error
 import urllib.request
 from collections.abc import Awaitable, Callable
@@ -24,6 +23,7 @@ import pytest
 from websockets.asyncio.client import ClientConnection, connect
 
 from s2s_rt import Config, Server
+from s2s_rt.wer import word_error_rate, words  # noqa: F401 - shared with the test modules
 
 T = TypeVar("T")
 
@@ -129,22 +129,6 @@ class RealtimeClient:
 
     def of_type(self, type: str) -> list[dict[str, Any]]:
         return [e for e in self.events if e["type"] == type]
-
-
-def words(text: str) -> list[str]:
-    """Lower-case words without punctuation, for comparing transcripts."""
-    return re.sub(r"[^a-z0-9' ]+", " ", text.lower()).split()
-
-
-def word_error_rate(reference: str, hypothesis: str) -> float:
-    """Word-level edit distance over the reference's length."""
-    ref, hyp = words(reference), words(hypothesis)
-    d = list(range(len(hyp) + 1))
-    for i, r in enumerate(ref, 1):
-        prev, d[0] = d[0], i
-        for j, h in enumerate(hyp, 1):
-            prev, d[j] = d[j], min(d[j] + 1, d[j - 1] + 1, prev + (r != h))
-    return d[len(hyp)] / max(len(ref), 1)
 
 
 async def http_get(server: Server, path: str) -> tuple[int, str]:
