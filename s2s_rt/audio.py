@@ -90,9 +90,6 @@ class AudioFormat:
             return _ulaw_encode(pcm).tobytes()
         return _alaw_encode(pcm).tobytes()
 
-    def duration_ms(self, nbytes: int) -> float:
-        return 1000.0 * nbytes / (self.bytes_per_sample * self.rate)
-
 
 def pcm16_to_float(data: bytes) -> Float32Array:
     return np.frombuffer(data, dtype="<i2").astype(np.float32) / 32768.0

@@ -51,7 +51,6 @@ class StagePool:
         self.workers = workers
         self.deadline_s = deadline_s
         self.executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"s2s-{stage}")
-        self.in_flight = 0
         self.overdue = 0
 
     def _set_capacity(self) -> None:
@@ -77,7 +76,6 @@ class StagePool:
             EngineTimeout: the call took longer than its deadline.
         """
         started = time.perf_counter()
-        self.in_flight += 1
         future = self.executor.submit(fn, *args, **kwargs)
         try:
             return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), deadline_s or self.deadline_s)
@@ -86,7 +84,6 @@ class StagePool:
                 self._mark_overdue(future)
             raise EngineTimeout(f"{self.stage} call exceeded {deadline_s or self.deadline_s:g} s") from None
         finally:
-            self.in_flight -= 1
             self.metrics.stage_latency.observe(time.perf_counter() - started, stage=self.stage)
 
     async def stream(self, make: Callable[[], Iterator[T]], deadline_s: float | None = None) -> AsyncIterator[T]:
@@ -116,7 +113,6 @@ class StagePool:
                 loop.call_soon_threadsafe(pieces.put_nowait, _DONE)
 
         started = time.perf_counter()
-        self.in_flight += 1
         future = self.executor.submit(produce)
         try:
             while True:
@@ -133,7 +129,6 @@ class StagePool:
                 yield piece
         finally:
             closed.set()
-            self.in_flight -= 1
             self.metrics.stage_latency.observe(time.perf_counter() - started, stage=self.stage)
 
     def shutdown(self) -> None:
@@ -158,8 +153,6 @@ class VadBatcher:
         self.pool = pool
         self._pending: list[tuple[Float32Array, Any, asyncio.Future[float]]] = []
         self._wake = asyncio.Event()
-        self.batches = 0
-        self.chunks = 0
 
     async def probability(self, chunk: Float32Array, state: Any) -> float:
         future: asyncio.Future[float] = asyncio.get_running_loop().create_future()
@@ -184,8 +177,6 @@ class VadBatcher:
                     if not fut.done():
                         fut.set_exception(exc)
                 continue
-            self.batches += 1
-            self.chunks += len(batch)
             for (_, _, fut), p in zip(batch, probs, strict=True):
                 if not fut.done():
                     fut.set_result(float(p))

@@ -23,7 +23,6 @@ from http import HTTPStatus
 from pathlib import Path
 from typing import Any
 
-from websockets.asyncio.server import Server as WsServer
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed, ConnectionClosedOK
@@ -104,7 +103,6 @@ class Server:
         self._started = asyncio.Event()
         self._stop = asyncio.Event()
         self._changed = asyncio.Event()
-        self._ws: WsServer | None = None
 
     # --- lifecycle ---------------------------------------------------------
 
@@ -204,7 +202,6 @@ class Server:
                     ping_timeout=cfg.ping_timeout_s,
                     server_header="s2s-rt",
                 ) as ws_server:
-                    self._ws = ws_server
                     self.port = ws_server.sockets[0].getsockname()[1]
                     log.info(
                         "s2s-rt listening on ws://%s:%d/v1/realtime (pool of %d, %s stack)",

@@ -172,9 +172,6 @@ class Outgoing:
     event: ServerEvent
 
 
-Work = AudioIn | BufferCommand | ResponseRequest | Transcribe | Speak | CallOut | ResponseEnd | Outgoing
-
-
 def _response_bound(item: Any) -> bool:
     return isinstance(item, (ResponseRequest, Speak, CallOut, ResponseEnd)) or (
         isinstance(item, Outgoing) and item.response_bound
@@ -253,7 +250,6 @@ class SessionContext:
         self.turn_item_id: str | None = None
         self.speculation: asyncio.Task[Transcript] | None = None
         self.idle_from = 0  # sample clock when idle time started counting
-        self.started = time.monotonic()
 
 
 # --- the slot ----------------------------------------------------------------
@@ -478,9 +474,7 @@ class Slot:
         await self.out_q.put(CloseRequest(self.generation.current, close_code, exc.code.replace("_", " ")))
 
     def _stale(self, item: Any) -> bool:
-        if self.generation.is_stale(item.generation, response=_response_bound(item)):
-            return True
-        return False
+        return self.generation.is_stale(item.generation, response=_response_bound(item))
 
     async def _send_loop(self) -> None:
         while True:
@@ -694,7 +688,7 @@ class Slot:
         ctx.idle_from = ctx.clock
         td = ctx.detector.settings if ctx.detector else None
         events = [session.speech_stopped(int(turn.audio_end_ms), item_id)]
-        events += session.commit_audio(item_id, samples_to_ms(len(audio)))
+        events += session.commit_audio(item_id)
         await self.emit(events)
         respond = bool(td and td.create_response)
         speculation, ctx.speculation = ctx.speculation, None
@@ -747,7 +741,7 @@ class Slot:
         audio = ctx.buffer.take(ctx.buffer.start_sample, ctx.clock)
         ctx.idle_from = ctx.clock
         events = [session.timeout_triggered(start_ms, int(samples_to_ms(ctx.clock)), item_id)]
-        events += session.commit_audio(item_id, samples_to_ms(len(audio)))
+        events += session.commit_audio(item_id)
         await self.emit(events)
         await self.stt_q.put(Transcribe(self.generation.current, item_id, audio, True, None))
 
@@ -773,7 +767,7 @@ class Slot:
         audio = ctx.buffer.take(ctx.buffer.start_sample, ctx.buffer.end_sample)
         if ctx.detector is not None:
             ctx.detector.reset()
-        await self.emit(session.commit_audio(item_id, ms))
+        await self.emit(session.commit_audio(item_id))
         await self.stt_q.put(Transcribe(self.generation.current, item_id, audio, False, time.perf_counter()))
 
     async def _stt_stage(self) -> None:

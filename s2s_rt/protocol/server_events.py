@@ -208,10 +208,6 @@ class FunctionCallArgumentsDone(ServerEvent):
     arguments: str
 
 
-class RateLimitsUpdated(ServerEvent):
-    rate_limits: list[dict[str, Any]]
-
-
 # --- Dialects --------------------------------------------------------------
 
 _BETA_NAMES = {

@@ -117,7 +117,6 @@ class ActiveResponse:
     outputs: list[se.Item] = field(default_factory=list)
     text: str = ""
     audio_ms: float = 0.0
-    segments: list[SpokenSegment] = field(default_factory=list)
     input_tokens: int = 0
     output_tokens: int = 0
 
@@ -534,7 +533,7 @@ class Session:
 
     # --- input audio turns ----------------------------------------------
 
-    def commit_audio(self, item_id: str, duration_ms: float) -> list[se.ServerEvent]:
+    def commit_audio(self, item_id: str) -> list[se.ServerEvent]:
         """The input buffer became a user item (awaiting its transcript)."""
         item = se.Item(
             id=item_id,
@@ -780,7 +779,6 @@ class Session:
         ]
         segment = SpokenSegment(text, r.audio_ms, r.audio_ms + ms)
         r.audio_ms += ms
-        r.segments.append(segment)
         if r.in_conversation:
             self.spoken.setdefault(r.item.id, []).append(segment)
         if text:
@@ -925,9 +923,6 @@ class Session:
             audio_end_ms=end_ms,
             item_id=item_id,
         )
-
-    def rate_limits(self) -> se.ServerEvent:
-        return self._ev(se.RateLimitsUpdated, "rate_limits.updated", rate_limits=[])
 
 
 #: Voice names of the hosted service; accepted and spoken with the default voice.
