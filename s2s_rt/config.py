@@ -34,8 +34,9 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     pool_size: int = 4
     #: Bound of each queue between a slot's stages.
     queue_size: int = 256
-    #: How long a slot may take to drain after its session ends before it is quarantined.
-    drain_timeout_s: float = 5.0
+    #: How long a slot may take to drain after its session ends before it is quarantined
+    #: (None: the longest engine or send deadline plus a second; see :attr:`drain_deadline_s`).
+    drain_timeout_s: float | None = None
     #: On shutdown, how long live sessions may continue before they are closed with 1001.
     grace_period_s: float = 10.0
     #: Threads per stage kind (VAD, STT, LLM, TTS), shared by all slots.
@@ -100,6 +101,14 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     log_format: str = "text"
     #: Put transcripts and answers in the turn log lines (off: logs never hold what people said).
     log_content: bool = False
+
+    @property
+    def drain_deadline_s(self) -> float:
+        """The drain deadline in force: set, or following from the deadlines a drain may wait on."""
+        if self.drain_timeout_s is not None:
+            return self.drain_timeout_s
+        waits = (self.vad_timeout_s, self.stt_timeout_s, self.llm_timeout_s, self.tts_timeout_s, self.send_timeout_s)
+        return max(waits) + 1.0
 
     def validate(self) -> Config:
         """Check ranges; returns self.

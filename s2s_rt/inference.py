@@ -51,38 +51,59 @@ class StagePool:
         self.workers = workers
         self.deadline_s = deadline_s
         self.executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"s2s-{stage}")
+        #: Calls still running on a thread after their caller gave up (deadline or cancellation).
         self.overdue = 0
+        self._lock = threading.Lock()
 
     def _set_capacity(self) -> None:
         # ThreadPoolExecutor starts a new thread per submit while below
         # _max_workers; raising it is the only way to add room for stuck threads.
         self.executor._max_workers = self.workers + self.overdue
 
-    def _mark_overdue(self, future: concurrent.futures.Future[Any]) -> None:
-        self.overdue += 1
-        self._set_capacity()
-        self.metrics.errors.inc(code=f"{self.stage}_timeout")
+    def _release_thread(self, future: concurrent.futures.Future[Any], *, timed_out: bool) -> None:
+        """The caller gave up on a call that is already running: its thread no longer counts.
+
+        The thread cannot be stopped, so the pool gets one extra thread until
+        it returns; abandoned calls never shrink the capacity left to others.
+        """
+        with self._lock:
+            self.overdue += 1
+            self._set_capacity()
+        if timed_out:
+            self.metrics.errors.inc(code=f"{self.stage}_timeout")
 
         def returned(_: concurrent.futures.Future[Any]) -> None:
-            self.overdue -= 1
-            self._set_capacity()
+            # Runs in the worker thread: the count is shared with the loop thread.
+            with self._lock:
+                self.overdue -= 1
+                self._set_capacity()
 
         future.add_done_callback(returned)
 
     async def call(self, fn: Callable[..., T], *args: Any, deadline_s: float | None = None, **kwargs: Any) -> T:
         """Run ``fn(*args, **kwargs)`` in this pool and await its result.
 
+        If the caller is cancelled, a call still waiting for a thread is
+        dropped, and a running one is left to finish on a thread that no
+        longer counts against the pool.
+
         Raises:
             EngineTimeout: the call took longer than its deadline.
         """
         started = time.perf_counter()
+        deadline = deadline_s or self.deadline_s
         future = self.executor.submit(fn, *args, **kwargs)
         try:
-            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), deadline_s or self.deadline_s)
+            async with asyncio.timeout(deadline):
+                return await asyncio.wrap_future(future)
         except TimeoutError:
             if not future.cancel():  # not started yet: cancelled, no thread held
-                self._mark_overdue(future)
-            raise EngineTimeout(f"{self.stage} call exceeded {deadline_s or self.deadline_s:g} s") from None
+                self._release_thread(future, timed_out=True)
+            raise EngineTimeout(f"{self.stage} call exceeded {deadline:g} s") from None
+        except asyncio.CancelledError:
+            if not future.cancel():
+                self._release_thread(future, timed_out=False)
+            raise
         finally:
             self.metrics.stage_latency.observe(time.perf_counter() - started, stage=self.stage)
 
@@ -90,8 +111,9 @@ class StagePool:
         """Iterate a blocking generator in this pool, yielding its pieces here.
 
         The generator runs in one worker thread and hands each piece to the
-        loop as it is made. If the consumer stops early, the thread stops at
-        the next piece; the engine's own stop check usually stops it sooner.
+        loop as it is made. If the consumer stops early or is cancelled, the
+        thread stops at the next piece (the engine's own stop check usually
+        stops it sooner) and no longer counts against the pool.
 
         Raises:
             EngineTimeout: no piece (or the end) arrived within the deadline.
@@ -114,21 +136,26 @@ class StagePool:
 
         started = time.perf_counter()
         future = self.executor.submit(produce)
+        finished = timed_out = False
         try:
             while True:
                 try:
-                    piece = await asyncio.wait_for(pieces.get(), deadline)
+                    async with asyncio.timeout(deadline):
+                        piece = await pieces.get()
                 except TimeoutError:
-                    if not future.cancel():
-                        self._mark_overdue(future)
+                    timed_out = True
                     raise EngineTimeout(f"{self.stage} produced nothing for {deadline:g} s") from None
                 if piece is _DONE:
+                    finished = True
                     break
                 if isinstance(piece, _Failure):
+                    finished = True
                     raise piece.exc
                 yield piece
         finally:
             closed.set()
+            if not finished and not future.cancel() and not future.done():
+                self._release_thread(future, timed_out=timed_out)
             self.metrics.stage_latency.observe(time.perf_counter() - started, stage=self.stage)
 
     def shutdown(self) -> None:

@@ -33,6 +33,7 @@ from s2s_rt.config import Config
 from s2s_rt.engines.base import Stack
 from s2s_rt.inference import StagePool, VadBatcher
 from s2s_rt.metrics import Metrics
+from s2s_rt.pipeline.outbox import close_quickly
 from s2s_rt.pool import Pool
 from s2s_rt.protocol.errors import ProtocolError
 from s2s_rt.protocol.server_events import BETA, GA, encode_event
@@ -168,7 +169,7 @@ class Server:
                 batcher,
                 self.metrics,
                 queue_size=cfg.queue_size,
-                drain_timeout_s=cfg.drain_timeout_s,
+                drain_timeout_s=cfg.drain_deadline_s,
                 max_input_buffer_s=cfg.max_input_buffer_s,
                 send_timeout_s=cfg.send_timeout_s,
                 speculate_after_ms=(
@@ -239,7 +240,8 @@ class Server:
             if remaining <= 0:
                 break
             try:
-                await asyncio.wait_for(self._changed.wait(), remaining)
+                async with asyncio.timeout(remaining):
+                    await self._changed.wait()
             except TimeoutError:
                 break
 
@@ -289,22 +291,26 @@ class Server:
                 text = f"All {len(self.pool.slots)} sessions are in use; try again later"
                 await self._refuse(ws, "session_limit_reached", text, 1013)
             return
-        dialect = BETA if _wants_beta(ws.request) else GA
-        session = Session(dialect, self.stack.tts.voices)
-        self.metrics.sessions_total.inc()
-        client = _address(ws)
-        slot.attach(ws, session, client)
+        # From the claim on, whatever happens, the slot is handed back.
         started = time.monotonic()
-        log.info(
-            "session %s started on slot %d for %s (%s)",
-            session.id,
-            slot.index,
-            client,
-            "beta" if dialect.beta else "GA",
-            extra={"fields": {"event": "session_start", "session": session.id, "slot": slot.index, "client": client}},
-        )
+        client = _address(ws)
+        session: Session | None = None
         reason = "client closed"
         try:
+            dialect = BETA if _wants_beta(ws.request) else GA
+            session = Session(dialect, self.stack.tts.voices)
+            self.metrics.sessions_total.inc()
+            await slot.attach(ws, session, client)
+            log.info(
+                "session %s started on slot %d for %s (%s)",
+                session.id,
+                slot.index,
+                client,
+                "beta" if dialect.beta else "GA",
+                extra={
+                    "fields": {"event": "session_start", "session": session.id, "slot": slot.index, "client": client}
+                },
+            )
             reason = await self._receive_loop(ws, slot) or reason
         except ConnectionClosedOK:
             reason = "client closed"
@@ -312,28 +318,30 @@ class Server:
             reason = "connection lost"
         except Exception:
             reason = "internal error"
-            log.exception("slot %d: error while handling session %s", slot.index, session.id)
-            await ws.close(1011, "internal error")
+            log.exception("slot %d: error while handling a session", slot.index)
+            await close_quickly(ws, 1011, "internal error")
         finally:
             if ws.close_code not in (None, 1000, 1001, 1005) and reason == "client closed":
                 reason = f"closed with {ws.close_code}"
             clean = await slot.end_session()
+            session_id = session.id if session is not None else None
+            turns = session.turns if session is not None else 0
             log.info(
                 "session %s ended on slot %d: %s after %.1f s, %d turns%s",
-                session.id,
+                session_id,
                 slot.index,
                 reason,
                 time.monotonic() - started,
-                session.turns,
+                turns,
                 "" if clean else " (slot quarantined)",
                 extra={
                     "fields": {
                         "event": "session_end",
-                        "session": session.id,
+                        "session": session_id,
                         "slot": slot.index,
                         "client": client,
                         "duration_s": round(time.monotonic() - started, 3),
-                        "turns": session.turns,
+                        "turns": turns,
                         "reason": reason,
                         "quarantined": not clean,
                     }
@@ -349,7 +357,7 @@ class Server:
         """
         assert self.pool is not None
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + min(self.config.drain_timeout_s, 2.0)
+        deadline = loop.time() + min(self.config.drain_deadline_s, 2.0)
         while True:
             slot = self.pool.claim()
             if slot is not None or not self.pool.draining() or self.closing or self.draining:
@@ -364,40 +372,65 @@ class Server:
     async def _receive_loop(self, ws: ServerConnection, slot: Slot) -> str | None:
         """Feed the client's frames to its slot until the socket closes or a limit ends the session.
 
+        One watchdog per connection keeps its deadlines (session length,
+        idleness, a client that stopped reading), so a message costs no timer.
+
         Returns:
             Why the session ended, when a limit ended it.
         """
         cfg = self.config
         loop = asyncio.get_running_loop()
-        expires = loop.time() + cfg.max_session_s
         budget = EventBudget(cfg.max_events_per_s, cfg.max_events_burst)
+        activity = Activity(loop.time())
+        watchdog = asyncio.create_task(self._watch(ws, slot, activity), name=f"slot{slot.index}-watchdog")
+        try:
+            async for message in ws:
+                now = loop.time()
+                activity.last = now
+                if not budget.take(now):
+                    await slot.error(
+                        ProtocolError(
+                            "rate_limit_exceeded",
+                            f"Too many events: at most {cfg.max_events_per_s:g} per second (burst"
+                            f" {cfg.max_events_burst}); this event was not processed",
+                        )
+                    )
+                    continue
+                await slot.receive(message)
+        finally:
+            # The watchdog is owned here: it ends with the connection, and is waited for.
+            watchdog.cancel()
+            await asyncio.wait((watchdog,))
+        if watchdog.cancelled():
+            return None
+        return watchdog.result()
+
+    async def _watch(self, ws: ServerConnection, slot: Slot, activity: Activity) -> str:
+        """Sleep until the connection's next deadline; end the session when one has passed."""
+        cfg = self.config
+        loop = asyncio.get_running_loop()
+        expires = activity.last + cfg.max_session_s
         while True:
+            idle_at = activity.last + cfg.idle_session_s if cfg.idle_session_s > 0 else expires
+            send_check = loop.time() + cfg.send_timeout_s
+            await asyncio.sleep(max(0.0, min(expires, idle_at, send_check) - loop.time()))
             now = loop.time()
-            idle_at = now + cfg.idle_session_s if cfg.idle_session_s > 0 else expires
-            try:
-                async with asyncio.timeout(min(expires, idle_at) - now):
-                    message = await ws.recv()
-            except TimeoutError:
-                expired = loop.time() >= expires
-                code = "session_expired"
+            if slot.outbox.stuck_for() >= cfg.send_timeout_s:
+                # The client stopped reading and its buffers are full: close it
+                # (1008) rather than let its output pile up. Only this slot waits.
+                self.metrics.errors.inc(code="client_not_reading")
+                log.warning("slot %d: client %s stopped reading; closing it", slot.index, slot.outbox.client)
+                await close_quickly(ws, 1008, "client is not reading its events")
+                return "client not reading"
+            expired = now >= expires
+            if expired or (cfg.idle_session_s > 0 and now >= activity.last + cfg.idle_session_s):
                 text = (
                     f"The session reached its maximum duration of {cfg.max_session_s:g} s"
                     if expired
                     else f"The session was idle for {cfg.idle_session_s:g} s"
                 )
-                await slot.end_with_error(ProtocolError(code, text, type="invalid_request_error"), 1001)
-                await ws.wait_closed()
+                await slot.end_with_error(ProtocolError("session_expired", text, type="invalid_request_error"), 1001)
                 return "expired" if expired else "idle"
-            if not budget.take(now):
-                await slot.error(
-                    ProtocolError(
-                        "rate_limit_exceeded",
-                        f"Too many events: at most {cfg.max_events_per_s:g} per second (burst"
-                        f" {cfg.max_events_burst}); this event was not processed",
-                    )
-                )
-                continue
-            await slot.receive(message)
 
     # --- HTTP on the same port -------------------------------------------------
 
@@ -412,7 +445,11 @@ class Server:
                 response = _response(HTTPStatus.UNAUTHORIZED, "missing or wrong API key\n")
                 response.headers["WWW-Authenticate"] = 'Bearer realm="s2s-rt"'
                 return response
-            origin = request.headers.get("Origin")
+            origins = request.headers.get_all("Origin")
+            if len(origins) > 1:
+                self.metrics.rejections.inc(reason="origin")
+                return _response(HTTPStatus.BAD_REQUEST, "more than one Origin header\n")
+            origin = origins[0] if origins else None
             if self.config.allowed_origins and origin is not None and origin not in self.config.allowed_origins:
                 self.metrics.rejections.inc(reason="origin")
                 return _response(HTTPStatus.FORBIDDEN, f"origin {origin} is not allowed\n")
@@ -447,9 +484,9 @@ class Server:
         if not keys:
             return True
         offered: list[str] = []
-        auth = request.headers.get("Authorization", "")
-        if auth[:7].lower() == "bearer ":
-            offered.append(auth[7:].strip())
+        for auth in request.headers.get_all("Authorization"):
+            if auth[:7].lower() == "bearer ":
+                offered.append(auth[7:].strip())
         for header in request.headers.get_all("Sec-WebSocket-Protocol"):
             for proto in header.split(","):
                 proto = proto.strip()
@@ -491,7 +528,8 @@ def _select_subprotocol(connection: ServerConnection, subprotocols: Sequence[Sub
 def _wants_beta(request: Request | None) -> bool:
     if request is None:
         return False
-    if "realtime=v1" in request.headers.get("OpenAI-Beta", ""):
+    # A header may come more than once; get() would raise on that.
+    if any("realtime=v1" in value for value in request.headers.get_all("OpenAI-Beta")):
         return True
     offered = ",".join(request.headers.get_all("Sec-WebSocket-Protocol"))
     return BETA_SUBPROTOCOL in [p.strip() for p in offered.split(",")]
@@ -504,6 +542,15 @@ def _is_loopback(connection: ServerConnection) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+class Activity:
+    """When a connection last sent something (loop time)."""
+
+    __slots__ = ("last",)
+
+    def __init__(self, now: float) -> None:
+        self.last = now
 
 
 class EventBudget:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from s2s_rt.protocol.session import TurnDetection
+from s2s_rt.protocol.config import TurnDetection
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 import pytest
+from conformance import validate_server_event
 from websockets.asyncio.client import ClientConnection, connect
 
 from s2s_rt import Config, Server
@@ -68,20 +69,58 @@ def silence(seconds: float, rate: int = 24_000) -> bytes:
     return bytes(int(rate * seconds) * 2)
 
 
-class RealtimeClient:
-    """A bare Realtime client over ``websockets`` that records every event."""
+def _offers_beta(ws: ClientConnection) -> bool:
+    """Whether the client's handshake asked for the beta dialect (header or subprotocol)."""
+    request = getattr(ws, "request", None)
+    if request is None:
+        return False
+    header = ",".join(request.headers.get_all("OpenAI-Beta")).replace(" ", "").lower()
+    offered = ",".join(request.headers.get_all("Sec-WebSocket-Protocol")).replace(" ", "").split(",")
+    return "realtime=v1" in header.split(",") or "openai-beta.realtime-v1" in offered
 
-    def __init__(self, ws: ClientConnection) -> None:
+
+class RealtimeClient:
+    """A bare Realtime client over ``websockets`` that records every event.
+
+    Every event :meth:`recv` gets is checked against the official ``openai``
+    types of the client's dialect (:func:`conformance.validate_server_event`):
+    beta when the handshake sent ``OpenAI-Beta: realtime=v1`` or offered the
+    ``openai-beta.realtime-v1`` subprotocol, GA otherwise. A non-conformant
+    event raises ``AssertionError`` from :meth:`recv`; one that a test swallows
+    still fails the test when :meth:`connect`'s block ends. Only a test that
+    deliberately inspects non-conformant frames passes ``conformance=False``.
+    """
+
+    def __init__(self, ws: ClientConnection, *, beta: bool | None = None, conformance: bool = True) -> None:
         self.ws = ws
         self.events: list[dict[str, Any]] = []
+        self.beta = _offers_beta(ws) if beta is None else beta
+        self.conformance = conformance
+        self.nonconformant: list[AssertionError] = []
 
     @classmethod
     @asynccontextmanager
-    async def connect(cls, server: Server, *, beta: bool = False, path: str = "/v1/realtime", **kw: Any):  # type: ignore[no-untyped-def]
+    async def connect(  # type: ignore[no-untyped-def]
+        cls,
+        server: Server,
+        *,
+        beta: bool = False,
+        transcribe: bool = False,
+        path: str = "/v1/realtime",
+        conformance: bool = True,
+        **kw: Any,
+    ):
+        """A client; ``transcribe`` asks for input transcription events (off by default, as OpenAI)."""
         headers = {"OpenAI-Beta": "realtime=v1"} if beta else {}
         headers |= kw.pop("additional_headers", {})
         async with connect(f"ws://127.0.0.1:{server.port}{path}", additional_headers=headers, **kw) as ws:
-            yield cls(ws)
+            client = cls(ws, beta=True if beta else None, conformance=conformance)
+            if transcribe:
+                await client.send("session.update", session={"input_audio_transcription": {"model": "whisper-1"}})
+            yield client
+        if client.nonconformant:  # raised by recv() but swallowed by the test
+            found = "\n".join(map(str, client.nonconformant))
+            raise AssertionError(f"{len(client.nonconformant)} non-conformant server event(s):\n{found}")
 
     async def send(self, type: str, **fields: Any) -> None:
         await self.ws.send(json.dumps({"type": type, **fields}))
@@ -92,6 +131,12 @@ class RealtimeClient:
     async def recv(self, timeout: float = 10.0) -> dict[str, Any]:
         event = json.loads(await asyncio.wait_for(self.ws.recv(), timeout))
         self.events.append(event)
+        if self.conformance:
+            try:
+                validate_server_event(event, beta=self.beta)
+            except AssertionError as e:
+                self.nonconformant.append(e)
+                raise
         return event
 
     async def until(self, type: str, timeout: float = 10.0) -> dict[str, Any]:

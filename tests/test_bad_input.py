@@ -138,7 +138,7 @@ def test_frame_above_max_size_closes_only_that_connection_with_1009() -> None:
 def test_large_append_within_limit_is_accepted() -> None:
     async def scenario() -> None:
         async with live_server() as server:
-            async with RealtimeClient.connect(server) as c:
+            async with RealtimeClient.connect(server, transcribe=True) as c:
                 await c.send("session.update", session={"turn_detection": None})
                 pcm = tone(440, 60.0)  # 60 s of audio in one 2.9 MB append
                 await c.send("input_audio_buffer.append", audio=base64.b64encode(pcm).decode())

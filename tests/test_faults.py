@@ -49,7 +49,7 @@ def test_tts_failure_fails_the_response_and_the_next_turn_works() -> None:
 def test_stt_failure_sends_transcription_failed_and_the_next_turn_works() -> None:
     async def scenario() -> None:
         async with live_server() as server:
-            async with RealtimeClient.connect(server) as c:
+            async with RealtimeClient.connect(server, transcribe=True) as c:
                 await c.send("session.update", session={"input_audio_transcription": {"prompt": "[[fail]]"}})
                 await c.append_audio(tone(440, 0.5) + silence(0.7))
                 failed = await c.until("conversation.item.input_audio_transcription.failed")
@@ -186,7 +186,7 @@ def test_client_that_stops_reading_is_closed_with_1008_and_others_are_unaffected
 def test_input_buffer_cap_refuses_the_excess_with_an_error() -> None:
     async def scenario() -> None:
         async with live_server(max_input_buffer_s=2.0) as server:
-            async with RealtimeClient.connect(server) as c:
+            async with RealtimeClient.connect(server, transcribe=True) as c:
                 await c.send("session.update", session={"turn_detection": None})
                 await c.append_audio(tone(440, 3.0), chunk_bytes=48_000)
                 err = await c.until("error")

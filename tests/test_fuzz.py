@@ -83,9 +83,9 @@ def test_mutated_frames_never_escape_as_anything_but_protocol_errors(frames: lis
         try:
             ev = ce.decode_client_event(frame)
             if not isinstance(ev, _AUDIO_EVENTS):
-                session.handle(ev, 1)
+                session.handle(ev)
         except ProtocolError as exc:
             assert exc.code and exc.message
     msgspec.json.encode(session.render())
-    for item in session.items.values():
+    for item in session.conversation.items.values():
         msgspec.json.encode(item)

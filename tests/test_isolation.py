@@ -27,7 +27,7 @@ def _own_ids(events: list[dict]) -> tuple[set[str], set[str]]:
 
 def test_eight_clients_on_eight_slots_each_receive_only_their_own_events() -> None:
     async def client(server, n: int, round_: int) -> tuple[list[dict], str]:
-        async with RealtimeClient.connect(server) as c:
+        async with RealtimeClient.connect(server, transcribe=True) as c:
             await c.until("session.created")
             # A text turn with words only this client says…
             word = f"client{n}round{round_}"

@@ -22,7 +22,8 @@ from websockets.asyncio.client import connect
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
-from s2s_rt import bench
+from s2s_rt.bench.cli import parse_args, run_async
+from s2s_rt.bench.turn import INTERVALS
 
 ROOT = Path(__file__).resolve().parent.parent
 #: Short turns: tone questions (the fake stack's own TTS), 300 ms of silence ends a turn.
@@ -52,7 +53,7 @@ def test_load_script_answers_every_turn_and_reports_every_interval(tmp_path: Pat
         times = turn["times_from_end_of_speech_s"]
         assert all(times[name] is not None for name in TURN_TIMES + RESPONSE_TIMES), times
         assert times["speech_sent"] < 0 < times["speech_stopped"] <= times["first_audio"] <= times["response_done"]
-    for label, _, _ in bench.INTERVALS:
+    for label, _, _ in INTERVALS:
         stats = report["intervals_s"][label]
         assert stats["n"] == 6 and stats["p50"] is not None and stats["p99"] >= stats["p50"], label
     # The turn ends no sooner than the silence the session asked for.
@@ -106,7 +107,7 @@ def test_load_script_fails_on_an_event_from_another_session(tmp_path: Path) -> N
         async with live_server(pool_size=2) as server:
             async with injecting_proxy(f"ws://127.0.0.1:{server.port}/v1/realtime") as (url, injected):
                 argv = ["--url", url, "--sessions", "2", "--turns", "2", *QUICK]
-                report = await bench.run_async(bench.parse_args([*argv, "--speech-cache", str(tmp_path)]))
+                report = await run_async(parse_args([*argv, "--speech-cache", str(tmp_path)]))
         assert injected.is_set(), "the proxy found no moment to inject"
         assert report["ok"] is False
         assert report["counts"]["foreign_events"] == 1
@@ -125,7 +126,7 @@ def test_load_script_counts_rejections_when_the_pool_is_full(tmp_path: Path) -> 
         async with live_server(pool_size=1) as server:
             argv = ["--url", f"ws://127.0.0.1:{server.port}/v1/realtime", "--sessions", "2", "--turns", "1"]
             argv += [*QUICK, "--ramp-s", "0", "--speech-cache", str(tmp_path)]
-            report = await bench.run_async(bench.parse_args(argv))
+            report = await run_async(parse_args(argv))
         assert report["counts"]["rejections"] == 1
         assert report["counts"]["turns_answered"] == 1
         assert report["ok"] is False

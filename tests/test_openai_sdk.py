@@ -44,6 +44,9 @@ def test_sdk_ga_audio_turn() -> None:
     async def scenario() -> None:
         async with live_server() as server:
             async with _client(server.port).realtime.connect(model="gpt-realtime") as conn:
+                await conn.session.update(
+                    session={"type": "realtime", "audio": {"input": {"transcription": {"model": "whisper-1"}}}}
+                )
                 pcm = silence(0.3) + tone(520, 0.8) + silence(0.8)
                 for i in range(0, len(pcm), 4800):
                     await conn.input_audio_buffer.append(audio=base64.b64encode(pcm[i : i + 4800]).decode())
@@ -65,7 +68,12 @@ def test_sdk_beta_text_and_audio_turn() -> None:
         async with live_server() as server:
             async with _client(server.port).beta.realtime.connect(model="gpt-4o-realtime-preview") as conn:
                 await conn.session.update(
-                    session={"modalities": ["text", "audio"], "voice": "alloy", "turn_detection": None}
+                    session={
+                        "modalities": ["text", "audio"],
+                        "voice": "alloy",
+                        "turn_detection": None,
+                        "input_audio_transcription": {"model": "whisper-1"},
+                    }
                 )
                 await conn.conversation.item.create(
                     item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": "beta text"}]}

@@ -11,9 +11,10 @@ from hypothesis import strategies as st
 
 from s2s_rt.audio import AudioFormat
 from s2s_rt.protocol import client_events as ce
+from s2s_rt.protocol.conversation import SpokenSegment, heard_text
 from s2s_rt.protocol.errors import ProtocolError
 from s2s_rt.protocol.server_events import BETA, GA
-from s2s_rt.protocol.session import Session, SpokenSegment, heard_text
+from s2s_rt.protocol.session import Session
 
 
 def decode(obj: object) -> ce.ClientEvent:
@@ -99,7 +100,7 @@ def test_session_survives_random_events_of_every_type(kind: str, fields: dict[st
     try:
         ev = ce.decode_client_event(json.dumps({"type": kind, **fields}))
         if not kind.startswith("input_audio_buffer."):
-            session.handle(ev, 1)
+            session.handle(ev)
     except ProtocolError:
         pass
     # Whatever happened, the session still renders and encodes.
@@ -189,9 +190,9 @@ def _user_text(s: Session, text: str) -> None:
 
 def test_one_active_response_at_a_time() -> None:
     s = Session(GA)
-    s.start_response(None, 1)
+    s.start_response(None)
     with pytest.raises(ProtocolError) as info:
-        s.start_response(None, 2)
+        s.start_response(None)
     assert info.value.code == "conversation_already_has_active_response"
 
 
@@ -204,7 +205,7 @@ def test_cancel_without_response_is_an_error() -> None:
 def test_prompt_holds_instructions_and_conversation_in_order() -> None:
     s = Session(GA)
     _user_text(s, "first")
-    s.start_response(None, 1)
+    s.start_response(None)
     r = s.response
     assert r is not None
     msgs = s.prompt(r)
@@ -219,11 +220,11 @@ def test_out_of_band_response_is_not_added_to_the_conversation() -> None:
             "response": {"conversation": "none", "output_modalities": ["text"], "instructions": "Be terse."},
         }
     )
-    s.start_response(ev.response, 1)  # type: ignore[union-attr]
+    s.start_response(ev.response)  # type: ignore[union-attr]
     r = s.response
-    assert r is not None and not r.in_conversation
-    s.text_delta(r, "Hi.")
-    assert r.item is not None and r.item.id not in s.items
+    assert r is not None and not r.params.in_conversation
+    r.text_delta("Hi.")
+    assert r.outputs and r.outputs[0].id not in s.conversation.items
     [done] = [e for e in s.finish_response(r) if e.type == "response.done"]
     assert done.response.conversation_id is None  # type: ignore[attr-defined]
     assert done.response.output[0].content[0].text == "Hi."  # type: ignore[attr-defined]

@@ -28,7 +28,11 @@ RATE = 24_000
 CHUNK = RATE // 50  # 20 ms
 INSTRUCTIONS = "You are a helpful voice assistant. Answer in one short sentence."
 #: Greedy decoding, so each test hears the same answer every run.
-SETTINGS = {"instructions": INSTRUCTIONS, "temperature": 0.0}
+SETTINGS = {
+    "instructions": INSTRUCTIONS,
+    "temperature": 0.0,
+    "audio": {"input": {"transcription": {"model": "whisper-1", "language": "en"}}},
+}
 
 
 @asynccontextmanager
@@ -98,7 +102,7 @@ def check_answer_audio(server: Server, answer: str, audio: bytes) -> None:
 def test_spoken_question_is_heard_and_answered_aloud() -> None:
     async def scenario() -> None:
         async with real_server() as server:
-            async with RealtimeClient.connect(server) as c:
+            async with RealtimeClient.connect(server, transcribe=True) as c:
                 await c.send("session.update", session=SETTINGS)
                 question = "What is the capital of France?"
                 heard, answer, audio = await ask(server, c, question)
@@ -146,7 +150,7 @@ def test_spoken_turn_through_the_openai_sdk() -> None:
 def test_barge_in_with_real_vad_cancels_within_300_ms_of_new_speech() -> None:
     async def scenario() -> None:
         async with real_server() as server:
-            async with RealtimeClient.connect(server) as c:
+            async with RealtimeClient.connect(server, transcribe=True) as c:
                 await c.send(
                     "session.update",
                     session={"instructions": "You are a storyteller. Tell long, detailed stories of many sentences."},
@@ -170,7 +174,7 @@ def test_barge_in_with_real_vad_cancels_within_300_ms_of_new_speech() -> None:
 
 def test_two_sessions_talking_at_once_each_hear_only_their_own_words() -> None:
     async def one(server: Server, question: str) -> tuple[str, str, list[dict]]:
-        async with RealtimeClient.connect(server) as c:
+        async with RealtimeClient.connect(server, transcribe=True) as c:
             await c.send("session.update", session=SETTINGS)
             heard, answer, audio = await ask(server, c, question)
             assert pcm16_to_float(audio).size > RATE * 0.3

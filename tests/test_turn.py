@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from s2s_rt.protocol.session import TurnDetection
+from s2s_rt.protocol.config import TurnDetection
 from s2s_rt.turn import SpeechStart, SpeechStop, TurnDetector
 
 CHUNK_MS = 32.0

@@ -10,7 +10,7 @@ from conftest import RealtimeClient, http_get, live_server, run, silence, tone
 def test_server_vad_turn_produces_the_full_event_sequence_in_order() -> None:
     async def scenario() -> None:
         async with live_server() as server:
-            async with RealtimeClient.connect(server) as c:
+            async with RealtimeClient.connect(server, transcribe=True) as c:
                 await c.until("session.created")
                 await c.append_audio(silence(0.5) + tone(440, 1.0) + silence(0.8))
                 await c.until("response.done")
@@ -51,7 +51,7 @@ def test_server_vad_turn_produces_the_full_event_sequence_in_order() -> None:
 def test_manual_commit_when_turn_detection_is_null() -> None:
     async def scenario() -> None:
         async with live_server() as server:
-            async with RealtimeClient.connect(server) as c:
+            async with RealtimeClient.connect(server, transcribe=True) as c:
                 await c.send(
                     "session.update", session={"type": "realtime", "audio": {"input": {"turn_detection": None}}}
                 )
@@ -250,7 +250,7 @@ def test_g711_output_format_sends_8khz_bytes() -> None:
 def test_speculative_transcription_is_used_when_silence_lasts_and_dropped_when_speech_returns() -> None:
     async def scenario() -> None:
         async with live_server(speculate_after_ms=100) as server:
-            async with RealtimeClient.connect(server) as c:
+            async with RealtimeClient.connect(server, transcribe=True) as c:
                 # A pause longer than the speculation point but shorter than the silence duration.
                 await c.append_audio(tone(440, 0.4) + silence(0.25) + tone(440, 0.4) + silence(0.8))
                 heard = await c.until("conversation.item.input_audio_transcription.completed")

@@ -19,14 +19,14 @@ from s2s_rt.protocol.errors import ProtocolError
 
 
 class TurnDetectionIn(Struct, kw_only=True):
-    type: str = "server_vad"
-    threshold: float | UnsetType = UNSET
-    prefix_padding_ms: int | UnsetType = UNSET
-    silence_duration_ms: int | UnsetType = UNSET
-    create_response: bool | UnsetType = UNSET
-    interrupt_response: bool | UnsetType = UNSET
+    type: str | UnsetType | None = UNSET
+    threshold: float | UnsetType | None = UNSET
+    prefix_padding_ms: int | UnsetType | None = UNSET
+    silence_duration_ms: int | UnsetType | None = UNSET
+    create_response: bool | UnsetType | None = UNSET
+    interrupt_response: bool | UnsetType | None = UNSET
     idle_timeout_ms: int | UnsetType | None = UNSET
-    eagerness: str | UnsetType = UNSET
+    eagerness: str | UnsetType | None = UNSET
 
 
 class TranscriptionIn(Struct, kw_only=True):
@@ -37,25 +37,25 @@ class TranscriptionIn(Struct, kw_only=True):
 
 class AudioFormatIn(Struct, kw_only=True):
     type: str
-    rate: int | UnsetType = UNSET
+    rate: int | UnsetType | None = UNSET
 
 
 class AudioInputIn(Struct, kw_only=True):
-    format: AudioFormatIn | str | UnsetType = UNSET
+    format: AudioFormatIn | str | UnsetType | None = UNSET
     transcription: TranscriptionIn | UnsetType | None = UNSET
     turn_detection: TurnDetectionIn | UnsetType | None = UNSET
     noise_reduction: Any = UNSET
 
 
 class AudioOutputIn(Struct, kw_only=True):
-    format: AudioFormatIn | str | UnsetType = UNSET
-    voice: str | UnsetType = UNSET
-    speed: float | UnsetType = UNSET
+    format: AudioFormatIn | str | UnsetType | None = UNSET
+    voice: str | UnsetType | None = UNSET
+    speed: float | UnsetType | None = UNSET
 
 
 class AudioIn(Struct, kw_only=True):
-    input: AudioInputIn | UnsetType = UNSET
-    output: AudioOutputIn | UnsetType = UNSET
+    input: AudioInputIn | UnsetType | None = UNSET
+    output: AudioOutputIn | UnsetType | None = UNSET
 
 
 MaxTokens = int | Literal["inf"]
@@ -64,70 +64,70 @@ MaxTokens = int | Literal["inf"]
 class SessionIn(Struct, kw_only=True):
     """A ``session.update`` payload in either shape; absent fields stay UNSET."""
 
-    type: str | UnsetType = UNSET
-    model: str | UnsetType = UNSET
-    instructions: str | UnsetType = UNSET
+    type: str | UnsetType | None = UNSET
+    model: str | UnsetType | None = UNSET
+    instructions: str | UnsetType | None = UNSET
     # beta
-    modalities: list[str] | UnsetType = UNSET
-    voice: str | UnsetType = UNSET
-    input_audio_format: str | UnsetType = UNSET
-    output_audio_format: str | UnsetType = UNSET
+    modalities: list[str] | UnsetType | None = UNSET
+    voice: str | UnsetType | None = UNSET
+    input_audio_format: str | UnsetType | None = UNSET
+    output_audio_format: str | UnsetType | None = UNSET
     input_audio_transcription: TranscriptionIn | UnsetType | None = UNSET
     turn_detection: TurnDetectionIn | UnsetType | None = UNSET
-    max_response_output_tokens: MaxTokens | UnsetType = UNSET
+    max_response_output_tokens: MaxTokens | UnsetType | None = UNSET
     # GA
-    output_modalities: list[str] | UnsetType = UNSET
-    audio: AudioIn | UnsetType = UNSET
-    max_output_tokens: MaxTokens | UnsetType = UNSET
+    output_modalities: list[str] | UnsetType | None = UNSET
+    audio: AudioIn | UnsetType | None = UNSET
+    max_output_tokens: MaxTokens | UnsetType | None = UNSET
     # both
-    temperature: float | UnsetType = UNSET
-    tools: list[dict[str, Any]] | UnsetType = UNSET
+    temperature: float | UnsetType | None = UNSET
+    tools: list[dict[str, Any]] | UnsetType | None = UNSET
     tool_choice: Any = UNSET
 
 
 class ContentIn(Struct, kw_only=True):
     type: str
-    text: str | UnsetType = UNSET
-    audio: bytes | UnsetType = UNSET
+    text: str | UnsetType | None = UNSET
+    audio: bytes | UnsetType | None = UNSET
     transcript: str | UnsetType | None = UNSET
 
 
 class ItemIn(Struct, kw_only=True):
-    id: str | UnsetType = UNSET
-    type: str = "message"
-    object: str | UnsetType = UNSET
-    status: str | UnsetType = UNSET
-    role: str | UnsetType = UNSET
-    content: list[ContentIn] | UnsetType = UNSET
-    call_id: str | UnsetType = UNSET
-    name: str | UnsetType = UNSET
-    arguments: str | UnsetType = UNSET
-    output: str | UnsetType = UNSET
+    id: str | UnsetType | None = UNSET
+    type: str | UnsetType | None = UNSET
+    object: str | UnsetType | None = UNSET
+    status: str | UnsetType | None = UNSET
+    role: str | UnsetType | None = UNSET
+    content: list[ContentIn] | UnsetType | None = UNSET
+    call_id: str | UnsetType | None = UNSET
+    name: str | UnsetType | None = UNSET
+    arguments: str | UnsetType | None = UNSET
+    output: str | UnsetType | None = UNSET
 
 
 class ResponseAudioOutputIn(Struct, kw_only=True):
-    format: AudioFormatIn | str | UnsetType = UNSET
-    voice: str | UnsetType = UNSET
+    format: AudioFormatIn | str | UnsetType | None = UNSET
+    voice: str | UnsetType | None = UNSET
 
 
 class ResponseAudioIn(Struct, kw_only=True):
-    output: ResponseAudioOutputIn | UnsetType = UNSET
+    output: ResponseAudioOutputIn | UnsetType | None = UNSET
 
 
 class ResponseIn(Struct, kw_only=True):
-    conversation: str | UnsetType = UNSET
-    instructions: str | UnsetType = UNSET
-    modalities: list[str] | UnsetType = UNSET
-    output_modalities: list[str] | UnsetType = UNSET
-    max_output_tokens: MaxTokens | UnsetType = UNSET
-    max_response_output_tokens: MaxTokens | UnsetType = UNSET
-    voice: str | UnsetType = UNSET
-    output_audio_format: str | UnsetType = UNSET
-    audio: ResponseAudioIn | UnsetType = UNSET
-    temperature: float | UnsetType = UNSET
-    input: list[ItemIn] | UnsetType = UNSET
+    conversation: str | UnsetType | None = UNSET
+    instructions: str | UnsetType | None = UNSET
+    modalities: list[str] | UnsetType | None = UNSET
+    output_modalities: list[str] | UnsetType | None = UNSET
+    max_output_tokens: MaxTokens | UnsetType | None = UNSET
+    max_response_output_tokens: MaxTokens | UnsetType | None = UNSET
+    voice: str | UnsetType | None = UNSET
+    output_audio_format: str | UnsetType | None = UNSET
+    audio: ResponseAudioIn | UnsetType | None = UNSET
+    temperature: float | UnsetType | None = UNSET
+    input: list[ItemIn] | UnsetType | None = UNSET
     metadata: dict[str, Any] | UnsetType | None = UNSET
-    tools: list[dict[str, Any]] | UnsetType = UNSET
+    tools: list[dict[str, Any]] | UnsetType | None = UNSET
     tool_choice: Any = UNSET
 
 
@@ -163,7 +163,7 @@ class ConversationItemRetrieve(_Event, tag="conversation.item.retrieve"):
 class ConversationItemTruncate(_Event, tag="conversation.item.truncate"):
     item_id: str
     audio_end_ms: int
-    content_index: int = 0
+    content_index: int | None = 0
 
 
 class ConversationItemDelete(_Event, tag="conversation.item.delete"):
@@ -218,10 +218,31 @@ def decode_client_event(data: str | bytes) -> ClientEvent:
     """
     try:
         event: ClientEvent = _decoder.decode(data)
-        return event
     except (msgspec.DecodeError, UnicodeDecodeError) as exc:
         # The fast path failed; only now look at the frame loosely to say why.
         raise _classify(data, exc) from None
+    if isinstance(event, (SessionUpdate, ResponseCreate, ConversationItemCreate)):
+        _nulls_unset(event)
+    return event
+
+
+#: Fields where ``null`` means something ("turn detection off"), not "not set".
+_MEANINGFUL_NULLS = frozenset({"turn_detection", "input_audio_transcription", "transcription", "idle_timeout_ms"})
+
+
+def _nulls_unset(struct: Struct) -> None:
+    """Treat ``null`` as "not set" for optional fields, as OpenAI does (in place, recursively)."""
+    for name in struct.__struct_fields__:
+        value = getattr(struct, name)
+        if value is None:
+            if name not in _MEANINGFUL_NULLS and name not in ("event_id", "previous_item_id", "response"):
+                setattr(struct, name, UNSET)
+        elif isinstance(value, Struct):
+            _nulls_unset(value)
+        elif isinstance(value, list):
+            for element in value:
+                if isinstance(element, Struct):
+                    _nulls_unset(element)
 
 
 def _classify(data: str | bytes, exc: Exception) -> ProtocolError:

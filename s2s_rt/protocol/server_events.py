@@ -8,19 +8,30 @@ client that asked for the beta protocol (``response.audio.delta`` instead of
 
 from __future__ import annotations
 
-from typing import Any
+import secrets
+from typing import Any, TypeVar
 
 import msgspec
-from msgspec import Struct
+from msgspec import UNSET, Struct, UnsetType
 
 # --- Items and content ---------------------------------------------------
 
 
 class ContentPart(Struct, kw_only=True, omit_defaults=True):
+    """A content part; a field left UNSET is absent, one set to None is sent as ``null``."""
+
     type: str
-    text: str | None = None
-    transcript: str | None = None
-    audio: str | None = None
+    text: str | UnsetType | None = UNSET
+    transcript: str | UnsetType | None = UNSET
+    audio: str | UnsetType | None = UNSET
+
+    @property
+    def words(self) -> str | None:
+        """The part's text or transcript, whichever it holds."""
+        for value in (self.text, self.transcript):
+            if isinstance(value, str):
+                return value
+        return None
 
 
 class Item(Struct, kw_only=True, omit_defaults=True):
@@ -34,6 +45,15 @@ class Item(Struct, kw_only=True, omit_defaults=True):
     name: str | None = None
     arguments: str | None = None
     output: str | None = None
+
+
+def snapshot(item: Item) -> Item:
+    """A copy of ``item`` that later changes to the live item cannot reach.
+
+    Events carry snapshots: what a queued event says is fixed when it is made.
+    """
+    content = None if item.content is None else [msgspec.structs.replace(c) for c in item.content]
+    return msgspec.structs.replace(item, content=content)
 
 
 class Usage(Struct, kw_only=True):
@@ -53,10 +73,12 @@ class Response(Struct, kw_only=True):
     status_details: dict[str, Any] | None
     output: list[Item]
     conversation_id: str | None
-    output_modalities: list[str]
     max_output_tokens: int | str
     usage: Usage | None
     metadata: dict[str, Any] | None = None
+    #: GA name of the modalities; beta calls them ``modalities``. Only one is sent.
+    output_modalities: list[str] | UnsetType = UNSET
+    modalities: list[str] | UnsetType = UNSET
 
 
 class ErrorDetail(Struct, kw_only=True):
@@ -199,13 +221,20 @@ class FunctionCallArgumentsDelta(ServerEvent):
     delta: str
 
 
-class FunctionCallArgumentsDone(ServerEvent):
+class FunctionCallArgumentsDone(ServerEvent, omit_defaults=True):
     response_id: str
     item_id: str
     output_index: int
     call_id: str
-    name: str
     arguments: str
+    name: str | UnsetType = UNSET
+
+
+E = TypeVar("E", bound=ServerEvent)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(10)}"
 
 
 # --- Dialects --------------------------------------------------------------
@@ -237,8 +266,22 @@ class Dialect:
         return _BETA_NAMES.get(ga_name, ga_name) if self.beta else ga_name
 
     def part(self, ga_type: str) -> str:
-        """Content part type: ``output_audio`` in GA is ``audio`` in beta."""
+        """An item's content type: ``output_audio`` in GA is ``audio`` in beta.
+
+        The ``part`` of ``response.content_part.*`` events is ``audio`` or
+        ``text`` in both dialects (see :func:`event_part`).
+        """
         return _BETA_PARTS.get(ga_type, ga_type) if self.beta else ga_type
+
+    def event(self, cls: type[E], ga_name: str, **fields: Any) -> E:
+        """A new server event of class ``cls``, named for this dialect, with a fresh ``event_id``."""
+        return cls(type=self.name(ga_name), event_id=new_id("event"), **fields)
+
+
+def event_part(part: ContentPart) -> ContentPart:
+    """An item's content part as ``response.content_part.*`` events show it (type ``audio``/``text``)."""
+    kind = _BETA_PARTS.get(part.type, part.type)
+    return ContentPart(type=kind, text=part.text, transcript=part.transcript, audio=part.audio)
 
 
 GA = Dialect(beta=False)

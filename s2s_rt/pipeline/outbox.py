@@ -1,0 +1,173 @@
+"""The outbox: server events queued in order, and the send loop that delivers them.
+
+Events are encoded when they are emitted, so a queued event is a snapshot
+that nothing can change. The send loop writes only to the socket of the
+session the slot serves now, drops events whose scope is stale, and frees
+the slot when the session's ``SessionEnd`` reaches it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from websockets.exceptions import ConnectionClosed
+
+from s2s_rt.metrics import Metrics
+from s2s_rt.pipeline.work import CloseRequest, Outgoing, SessionEnd, TurnTiming
+from s2s_rt.protocol.errors import ProtocolError
+from s2s_rt.protocol.server_events import ServerEvent, encode_event
+from s2s_rt.scope import Scope
+
+if TYPE_CHECKING:
+    from websockets.asyncio.server import ServerConnection
+
+    from s2s_rt.protocol.session import Session
+
+log = logging.getLogger("s2s_rt.slot")
+
+
+class Outbox:
+    """Queue and send one slot's server events.
+
+    Args:
+        index: the slot's index, for logs.
+        metrics: where counts go.
+        queue_size: bound of the queue.
+        send_timeout_s: how long one send may wait for a client that does not read.
+    """
+
+    def __init__(self, index: int, metrics: Metrics, queue_size: int, send_timeout_s: float) -> None:
+        self.index = index
+        self.metrics = metrics
+        self.queue: asyncio.Queue[Any] = asyncio.Queue(queue_size)
+        self.send_timeout_s = send_timeout_s
+        self.log_content = False
+        #: The socket, session and client address of the session served now.
+        self.ws: ServerConnection | None = None
+        self.session: Session | None = None
+        self.client = ""
+        #: When each stage of a response's turn happened, for the turn log and metrics.
+        self.timings: dict[str, TurnTiming] = {}
+        #: Called when a response ends (the server's shutdown waits on it).
+        self.on_response_done: Callable[[], None] = lambda: None
+        #: Called when a session's ``SessionEnd`` arrives, with the session's id.
+        self.on_session_end: Callable[[str], None] = lambda session_id: None
+        #: Since when a send has been waiting for the client (None: not waiting).
+        self.sending_since: float | None = None
+
+    def _outgoing(self, event: ServerEvent, scope: Scope) -> Outgoing:
+        if event.type == "response.done":
+            self._turn_done(event)
+            self.on_response_done()
+        elif not event.type.endswith(".delta"):
+            # What opens or closes an item, part or response goes out with its
+            # session: a client never sees a close without its open. Only the
+            # deltas of a response that is cancelled or fails meanwhile are dropped.
+            scope = scope.outermost
+        return Outgoing(scope, event.type, encode_event(event))
+
+    async def emit(self, events: list[ServerEvent], scope: Scope) -> None:
+        """Queue events, in order: deltas for as long as ``scope`` is wanted, the rest for the session."""
+        for event in events:
+            await self.queue.put(self._outgoing(event, scope))
+
+    def emit_now(self, events: list[ServerEvent], scope: Scope) -> bool:
+        """Queue events without waiting; False (and nothing queued) if they do not all fit."""
+        if self.queue.maxsize and self.queue.maxsize - self.queue.qsize() < len(events):
+            return False
+        for event in events:
+            self.queue.put_nowait(self._outgoing(event, scope))
+        return True
+
+    async def error(self, exc: ProtocolError) -> None:
+        """An ``error`` event for the session served now."""
+        session = self.session
+        if session is None:
+            return
+        self.metrics.errors.inc(code=exc.code)
+        await self.emit([session.error(exc)], session.scope)
+
+    async def close(self, scope: Scope, code: int, reason: str) -> None:
+        """Close the socket once everything queued before has been sent."""
+        await self.queue.put(CloseRequest(scope, code, reason))
+
+    def flush(self) -> int:
+        """Drop everything queued; returns how much."""
+        dropped = 0
+        while not self.queue.empty():
+            self.queue.get_nowait()
+            dropped += 1
+        return dropped
+
+    def _turn_done(self, event: ServerEvent) -> None:
+        """One log line per finished turn, with its latency breakdown."""
+        response = event.response  # type: ignore[attr-defined]
+        timing = self.timings.pop(response.id, None)
+        if timing is None or self.session is None:
+            return
+        now = time.perf_counter()
+        origin = timing.speech_end if timing.speech_end is not None else timing.created
+
+        def ms(t: float | None) -> int | None:
+            return None if t is None else round((t - origin) * 1000)
+
+        fields: dict[str, Any] = {
+            "slot": self.index,
+            "session": self.session.id,
+            "response": response.id,
+            "status": response.status,
+            "from": "end_of_speech" if timing.speech_end is not None else "response.create",
+            "transcribed_ms": ms(timing.transcribed),
+            "first_token_ms": ms(timing.first_token),
+            "first_audio_ms": ms(timing.first_audio),
+            "done_ms": ms(now),
+        }
+        if self.log_content:
+            fields["user"] = timing.user_text
+            output = response.output[-1].content if response.output else None
+            fields["assistant"] = output[0].words if output else None
+        text = " ".join(f"{k}={v}" for k, v in fields.items() if v is not None and k not in ("user", "assistant"))
+        if self.log_content:
+            text += f" user={fields['user']!r} assistant={fields['assistant']!r}"
+        log.info("turn %s", text, extra={"fields": {"event": "turn", **fields}})
+
+    async def run(self) -> None:
+        """The send loop."""
+        while True:
+            item = await self.queue.get()
+            if isinstance(item, SessionEnd):
+                self.on_session_end(item.session_id)
+                continue
+            ws = self.ws
+            if item.scope.stale or ws is None:
+                self.metrics.dropped_stale.inc(stage="send")
+                continue
+            if isinstance(item, CloseRequest):
+                await close_quickly(ws, item.code, item.reason)
+                continue
+            self.sending_since = time.monotonic()
+            try:
+                await ws.send(item.data, text=True)
+            except ConnectionClosed:
+                continue
+            finally:
+                self.sending_since = None
+            self.metrics.events_out.inc(type=item.type)
+
+    def stuck_for(self) -> float:
+        """Seconds the current send has waited for the client to read (0 when none waits)."""
+        since = self.sending_since
+        return 0.0 if since is None else time.monotonic() - since
+
+
+async def close_quickly(ws: ServerConnection, code: int, reason: str) -> None:
+    """Send a close frame; if the peer does not answer within a second, drop the TCP connection."""
+    try:
+        async with asyncio.timeout(1.0):
+            await ws.close(code, reason)
+    except TimeoutError:
+        ws.transport.abort()

@@ -1,0 +1,196 @@
+"""Responding: the LLM stage streams an answer, cuts it into clauses to speak, and checks tool calls."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+import time
+from typing import TYPE_CHECKING
+
+from s2s_rt.engines.base import ChatMessage, LLMUsage
+from s2s_rt.inference import EngineTimeout
+from s2s_rt.pipeline.work import CallOut, ResponseEnd, ResponseRequest, SessionEnd, Speak, run_scoped
+from s2s_rt.toolcalls import Call as CallPart
+from s2s_rt.toolcalls import Text as TextPart
+from s2s_rt.toolcalls import ToolCallError, ToolCallFilter, offered_tools, parse_call
+
+if TYPE_CHECKING:
+    from s2s_rt.pipeline.context import SessionContext
+    from s2s_rt.protocol.response import Response
+    from s2s_rt.slot import Slot
+
+log = logging.getLogger("s2s_rt.slot")
+
+
+class Responder:
+    """The LLM stage of one slot."""
+
+    def __init__(self, slot: Slot) -> None:
+        self.slot = slot
+
+    async def run(self) -> None:
+        slot = self.slot
+        while True:
+            item = await slot.llm_q.get()
+            if isinstance(item, SessionEnd):
+                await slot.tts_q.put(item)
+                continue
+            if item.scope.stale:
+                slot.metrics.dropped_stale.inc(stage="llm")
+                continue
+            ctx = slot.ctx
+            assert ctx is not None
+            await run_scoped(item.scope, self._generate(ctx, item))
+
+    async def _generate(self, ctx: SessionContext, req: ResponseRequest) -> None:
+        slot = self.slot
+        session = ctx.session
+        r = req.response
+        scope = req.scope
+        messages = session.prompt(r)
+        tools, must_call = offered_tools(r.params.tools, r.params.tool_choice)
+        usage = LLMUsage()
+
+        def stale() -> bool:
+            return scope.stale
+
+        clauses = ClauseSplitter()
+        spoke = False
+        for attempt in range(2):
+            calls: list[str] = []
+            splitter = ToolCallFilter()
+            try:
+                async for piece in slot.pools["llm"].stream(
+                    functools.partial(
+                        slot.stack.llm.stream,
+                        messages,
+                        max_tokens=r.token_limit,
+                        temperature=r.params.temperature,
+                        should_stop=stale,
+                        usage=usage,
+                        tools=tools,
+                        require_tool=must_call,
+                    )
+                ):
+                    if scope.stale:
+                        return
+                    timing = slot.outbox.timings.get(r.id)
+                    if timing is not None and timing.first_token is None:
+                        timing.first_token = time.perf_counter()
+                    for part in splitter.feed(piece):
+                        spoke |= await self._say(r, part, clauses, calls)
+                for part in splitter.flush():
+                    spoke |= await self._say(r, part, clauses, calls)
+            except Exception as exc:
+                log.warning("slot %d: LLM failed: %r", slot.index, exc)
+                if not scope.stale:
+                    slot.metrics.turns.inc(status="failed")
+                    code = "llm_timeout" if isinstance(exc, EngineTimeout) else "llm_failed"
+                    slot.metrics.errors.inc(code=code)
+                    await slot.outbox.emit(
+                        session.fail_response(r, code, f"The language model failed: {exc}"), session.scope
+                    )
+                return
+            if scope.stale:
+                slot.metrics.dropped_stale.inc(stage="llm")
+                return
+            problems = []
+            for raw in calls:
+                try:
+                    name, arguments = parse_call(raw, tools)
+                except ToolCallError as exc:
+                    problems.append((raw, str(exc)))
+                    continue
+                await slot.tts_q.put(CallOut(scope, r, name, arguments))
+            if not problems:
+                break
+            if attempt == 0 and not spoke and len(problems) == len(calls):
+                # One retry, telling the model what was wrong with its call.
+                raw, why = problems[0]
+                messages = [
+                    *messages,
+                    ChatMessage("assistant", f"<tool_call>\n{raw}\n</tool_call>"),
+                    ChatMessage("tool", f"Error: {why}. Call the function again with valid arguments."),
+                ]
+                continue
+            # Still wrong: say so as an answer instead of sending a bad call.
+            why = problems[0][1]
+            spoke |= await self._say(r, TextPart(f"Sorry, I could not make that call: {why}."), clauses, calls)
+            break
+        rest = clauses.flush()
+        if rest and r.audio:
+            await slot.tts_q.put(Speak(scope, r, rest))
+        await slot.tts_q.put(ResponseEnd(scope, r, usage))
+
+    async def _say(self, r: Response, part: TextPart | CallPart, clauses: ClauseSplitter, calls: list[str]) -> bool:
+        """Route one piece of model output; returns whether it was speakable text."""
+        slot = self.slot
+        if isinstance(part, CallPart):
+            calls.append(part.raw)
+            return False
+        if not part.text:
+            return False
+        if not r.audio:
+            # Text goes through the TTS stage's queue too, so it stays in order with calls and the end.
+            await slot.tts_q.put(Speak(r.scope, r, part.text))
+        else:
+            for clause in clauses.feed(part.text):
+                await slot.tts_q.put(Speak(r.scope, r, clause))
+        return bool(part.text.strip())
+
+
+_CLAUSE_END = re.compile(r"(?<=[.!?;:])\s+|(?<=[,])\s+(?=\S{2,})")
+
+
+class ClauseSplitter:
+    """Cuts streamed text into clauses so speech can start before the answer ends.
+
+    The first piece is cut at the first clause boundary (comma included), or
+    after ``first_words`` words if no boundary comes sooner, to start
+    speaking soon: a short answer is often one sentence, and waiting for its
+    end would wait for the whole answer. Later pieces are cut at sentence
+    ends, so the voice keeps a natural flow.
+
+    Each piece of text is scanned once (plus a few characters of context):
+    feeding a long answer token by token costs time linear in its length.
+    """
+
+    #: How far back a boundary may start before the end of what was scanned.
+    _CONTEXT = 4
+
+    def __init__(self, first_min_chars: int = 12, min_chars: int = 20, first_words: int = 5) -> None:
+        self.text = ""
+        self.first = True
+        self.first_min_chars = first_min_chars
+        self.min_chars = min_chars
+        self._first_words = re.compile(r"\s*(?:\S+\s+){" + str(first_words) + "}")
+        self._scanned = 0
+
+    def feed(self, piece: str) -> list[str]:
+        self.text += piece
+        out: list[str] = []
+        while True:
+            limit = self.first_min_chars if self.first else self.min_chars
+            cut: re.Match[str] | None = None
+            for m in _CLAUSE_END.finditer(self.text, max(0, self._scanned - self._CONTEXT)):
+                is_sentence = self.text[m.start() - 1] in ".!?;:"
+                if m.start() >= limit and (is_sentence or self.first):
+                    cut = m
+                    break
+            if cut is None and self.first:
+                cut = self._first_words.match(self.text)
+            if cut is None:
+                self._scanned = len(self.text)
+                return out
+            clause = self.text[: cut.end()].strip() if cut.re is self._first_words else self.text[: cut.start()].strip()
+            self.text = self.text[cut.end() :]
+            self._scanned = 0
+            if clause:
+                out.append(clause)
+                self.first = False
+
+    def flush(self) -> str:
+        rest, self.text = self.text.strip(), ""
+        self._scanned = 0
+        return rest

@@ -1,0 +1,111 @@
+"""Speaking: the TTS stage turns clauses into audio deltas, and closes each response in order."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from s2s_rt.audio import Resampler
+from s2s_rt.engines.base import Float32Array, Stack
+from s2s_rt.inference import EngineTimeout
+from s2s_rt.pipeline.work import CallOut, ResponseEnd, SessionEnd, Speak, run_scoped
+
+if TYPE_CHECKING:
+    from s2s_rt.pipeline.context import SessionContext
+    from s2s_rt.slot import Slot
+
+log = logging.getLogger("s2s_rt.slot")
+
+#: Audio deltas are cut to this length.
+DELTA_MS = 100
+
+
+class Speaker:
+    """The TTS stage of one slot."""
+
+    def __init__(self, slot: Slot) -> None:
+        self.slot = slot
+        self._resampler: Resampler | None = None
+        self._resampling_for: str | None = None
+
+    async def run(self) -> None:
+        slot = self.slot
+        while True:
+            item = await slot.tts_q.get()
+            if isinstance(item, SessionEnd):
+                await slot.outbox.queue.put(item)
+                continue
+            if item.scope.stale:
+                slot.metrics.dropped_stale.inc(stage="tts")
+                continue
+            ctx = slot.ctx
+            assert ctx is not None
+            session = ctx.session
+            r = item.response
+            if isinstance(item, CallOut):
+                await slot.outbox.emit(r.function_call(item.name, item.arguments), item.scope)
+            elif isinstance(item, ResponseEnd):
+                r.input_tokens, r.output_tokens = item.usage.input_tokens, item.usage.output_tokens
+                events = session.finish_response(r)
+                if events:
+                    slot.metrics.turns.inc(status="completed")
+                ctx.listening.idle_from = ctx.listening.clock
+                await slot.outbox.emit(events, item.scope)
+            elif not r.audio:
+                await slot.outbox.emit(r.text_delta(item.text), item.scope)
+            else:
+                await run_scoped(item.scope, self._speak(ctx, item))
+
+    def _resampler_for(self, job: Speak) -> Resampler:
+        r = job.response
+        if self._resampling_for != r.id or self._resampler is None:
+            self._resampling_for = r.id
+            self._resampler = Resampler(self.slot.stack.tts.sample_rate, r.params.output_format.rate)
+        return self._resampler
+
+    async def _speak(self, ctx: SessionContext, job: Speak) -> None:
+        slot = self.slot
+        r = job.response
+        scope = job.scope
+        resampler = self._resampler_for(job)
+        fmt = r.params.output_format
+        pieces: list[Float32Array] = []
+        try:
+            async for audio in slot.pools["tts"].stream(
+                lambda: slot.stack.tts.synthesize(
+                    job.text, voice=_voice(slot.stack, r.params.voice), should_stop=lambda: scope.stale
+                )
+            ):
+                if scope.stale:
+                    return
+                pieces.append(resampler.process(audio))
+        except Exception as exc:
+            log.warning("slot %d: TTS failed: %r", slot.index, exc)
+            if not scope.stale:
+                slot.metrics.turns.inc(status="failed")
+                code = "tts_timeout" if isinstance(exc, EngineTimeout) else "tts_failed"
+                slot.metrics.errors.inc(code=code)
+                await slot.outbox.emit(
+                    ctx.session.fail_response(r, code, f"Speech synthesis failed: {exc}"), ctx.session.scope
+                )
+            return
+        if scope.stale:
+            return
+        samples = np.concatenate(pieces) if pieces else np.zeros(0, np.float32)
+        data = fmt.encode(samples)
+        step = max(fmt.bytes_per_sample, int(fmt.rate * DELTA_MS / 1000) * fmt.bytes_per_sample)
+        chunks = [data[i : i + step] for i in range(0, len(data), step)]
+        ms = 1000 * len(samples) / fmt.rate
+        timing = slot.outbox.timings.get(r.id)
+        if timing is not None and timing.first_audio is None:
+            timing.first_audio = time.perf_counter()
+            if timing.speech_end is not None:
+                slot.metrics.turn_latency.observe(timing.first_audio - timing.speech_end)
+        await slot.outbox.emit(r.audio_segment(chunks, job.text, ms), scope)
+
+
+def _voice(stack: Stack, voice: str) -> str | None:
+    return voice if voice in stack.tts.voices else None

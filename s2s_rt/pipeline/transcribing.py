@@ -1,0 +1,76 @@
+"""Transcribing: the STT stage turns committed user audio into words, and starts the turn's response."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from s2s_rt.engines.base import PIPELINE_RATE, Transcript
+from s2s_rt.pipeline.work import ResponseRequest, SessionEnd, Transcribe, TurnTiming, run_scoped
+
+if TYPE_CHECKING:
+    from s2s_rt.pipeline.context import SessionContext
+    from s2s_rt.slot import Slot
+
+log = logging.getLogger("s2s_rt.slot")
+
+
+class Transcriber:
+    """The STT stage of one slot."""
+
+    def __init__(self, slot: Slot) -> None:
+        self.slot = slot
+
+    async def run(self) -> None:
+        slot = self.slot
+        while True:
+            item = await slot.stt_q.get()
+            if isinstance(item, SessionEnd):
+                await slot.llm_q.put(item)
+                continue
+            if item.scope.stale:
+                slot.metrics.dropped_stale.inc(stage="stt")
+                continue
+            if isinstance(item, ResponseRequest):
+                await slot.llm_q.put(item)
+                continue
+            ctx = slot.ctx
+            assert ctx is not None
+            await run_scoped(item.scope, self._transcribe(ctx, item))
+
+    async def _transcribe(self, ctx: SessionContext, job: Transcribe) -> None:
+        slot = self.slot
+        session = ctx.session
+        tr = session.config.transcription
+        try:
+            result: Transcript | BaseException
+            if job.speculation is not None:
+                result = await job.speculation
+            else:
+                result = await slot.pools["stt"].call(
+                    slot.stack.stt.transcribe,
+                    job.audio,
+                    language=tr.language if tr else None,
+                    prompt=tr.prompt if tr else None,
+                )
+            if isinstance(result, BaseException):
+                raise result
+        except Exception as exc:
+            log.warning("slot %d: transcription failed: %r", slot.index, exc)
+            slot.metrics.errors.inc(code="transcription_failed")
+            await slot.outbox.emit(
+                session.transcription_failed(job.item_id, f"Transcription failed: {exc}"), session.scope
+            )
+            return
+        text = result.text.strip()
+        await slot.outbox.emit(session.transcribed(job.item_id, text, len(job.audio) / PIPELINE_RATE), session.scope)
+        if job.respond and session.response is None:
+            events = session.start_response(None)
+            r = session.response
+            assert r is not None
+            slot.outbox.timings[r.id] = TurnTiming(
+                speech_end=job.speech_end, transcribed=time.perf_counter(), user_text=text
+            )
+            await slot.outbox.emit(events, session.scope)
+            await slot.llm_q.put(ResponseRequest(r.scope, r))

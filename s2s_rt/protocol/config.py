@@ -1,0 +1,302 @@
+"""A session's configuration: its settings, how ``session.update`` changes them, and how they are shown.
+
+:class:`SessionConfig` is what ``session.created``/``session.updated`` render,
+in the client's dialect (beta flat fields or GA nested ``audio``).
+:func:`apply_update` applies a ``session.update`` all or nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from msgspec import UNSET
+
+from s2s_rt.audio import AudioFormat, AudioFormatError
+from s2s_rt.protocol import client_events as ce
+from s2s_rt.protocol.errors import ProtocolError
+from s2s_rt.protocol.server_events import Dialect
+
+T = TypeVar("T")
+
+#: Cap applied when a client asks for "inf" output tokens.
+MAX_OUTPUT_TOKENS_CAP = 4096
+DEFAULT_MAX_OUTPUT_TOKENS = 1024
+
+#: Voice names of the hosted service; accepted and spoken with the default voice.
+OPENAI_VOICES = frozenset({"alloy", "ash", "ballad", "coral", "echo", "sage", "shimmer", "verse", "marin", "cedar"})
+
+#: Longest wait in the closing silence per ``semantic_vad`` eagerness (OpenAI's maxima).
+EAGERNESS_MAX_MS = {"low": 8000, "medium": 4000, "high": 2000, "auto": 4000}
+
+
+@dataclass(slots=True)
+class TurnDetection:
+    """``server_vad`` / ``semantic_vad`` settings (OpenAI's defaults)."""
+
+    type: str = "server_vad"
+    threshold: float = 0.5
+    prefix_padding_ms: int = 300
+    silence_duration_ms: int = 500
+    create_response: bool = True
+    interrupt_response: bool = True
+    idle_timeout_ms: int | None = None
+    eagerness: str = "auto"
+
+
+@dataclass(slots=True)
+class Transcription:
+    model: str = "whisper-1"
+    language: str | None = None
+    prompt: str | None = None
+
+
+@dataclass(slots=True)
+class SessionConfig:
+    model: str = "s2s-rt"
+    instructions: str = (
+        "You are a helpful voice assistant. Answer briefly, in one to three short"
+        " spoken sentences, without lists or markdown."
+    )
+    output_modalities: list[str] = field(default_factory=lambda: ["audio"])
+    voice: str = ""
+    input_format: AudioFormat = field(default_factory=AudioFormat)
+    output_format: AudioFormat = field(default_factory=AudioFormat)
+    #: Input transcription events are sent only when this is set (as OpenAI: off by default).
+    transcription: Transcription | None = None
+    turn_detection: TurnDetection | None = field(default_factory=TurnDetection)
+    temperature: float = 0.8
+    max_output_tokens: int | str = "inf"
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    tool_choice: Any = "auto"
+
+
+def check_voice(voices: list[str], voice: str, event_id: str | None, param: str) -> str:
+    """The voice to speak with for a requested name.
+
+    Raises:
+        ProtocolError: the name is neither ours nor one of OpenAI's.
+    """
+    if voice in voices:
+        return voice
+    # OpenAI voice names (alloy, verse…) map to our default voice, so
+    # clients written for the hosted service work unchanged.
+    if voice in OPENAI_VOICES:
+        return voices[0]
+    raise ProtocolError(
+        "unknown_voice",
+        f"Unknown voice {voice!r}; available: {', '.join(voices)}",
+        param=param,
+        event_id=event_id,
+    )
+
+
+def apply_update(cfg: SessionConfig, ev: ce.SessionUpdate, voices: list[str]) -> None:
+    """Apply a ``session.update`` in either shape to ``cfg``, all or nothing.
+
+    Raises:
+        ProtocolError: an unsupported format, voice, modality or value.
+    """
+    patch = ev.session
+    new: dict[str, Any] = {}
+    eid = ev.event_id
+
+    def fail(code: str, message: str, param: str) -> ProtocolError:
+        return ProtocolError(code, message, param=f"session.{param}", event_id=eid)
+
+    if patch.type is not UNSET and patch.type not in ("realtime", "transcription"):
+        raise fail("invalid_value", f"session.type must be 'realtime', not {patch.type!r}", "type")
+    if patch.model is not UNSET:
+        new["model"] = patch.model
+    if patch.instructions is not UNSET:
+        new["instructions"] = patch.instructions
+    for name in ("modalities", "output_modalities"):
+        mods = getattr(patch, name)
+        if mods is not UNSET:
+            new["output_modalities"] = checked(check_modalities, mods, fail, name)
+    # The GA shape nests audio settings; null and absent both mean "not set" here.
+    audio = patch.audio if isinstance(patch.audio, ce.AudioIn) else None
+    a_in = audio.input if audio is not None and isinstance(audio.input, ce.AudioInputIn) else None
+    a_out = audio.output if audio is not None and isinstance(audio.output, ce.AudioOutputIn) else None
+    # Voice: beta flat field or GA audio.output.voice.
+    voice = a_out.voice if a_out is not None and isinstance(a_out.voice, str) else patch.voice
+    if isinstance(voice, str):
+        new["voice"] = check_voice(voices, voice, eid, "session.voice")
+    # Formats.
+    try:
+        if isinstance(patch.input_audio_format, str):
+            new["input_format"] = AudioFormat.parse(patch.input_audio_format)
+        if isinstance(patch.output_audio_format, str):
+            new["output_format"] = AudioFormat.parse(patch.output_audio_format)
+        if a_in is not None and isinstance(a_in.format, (ce.AudioFormatIn, str)):
+            new["input_format"] = parse_format(a_in.format)
+        if a_out is not None and isinstance(a_out.format, (ce.AudioFormatIn, str)):
+            new["output_format"] = parse_format(a_out.format)
+    except AudioFormatError as exc:
+        raise ProtocolError("unsupported_audio_format", str(exc), param="session.audio.format", event_id=eid) from None
+    # Transcription and turn detection, beta then GA (null turns them off).
+    trans: Any = patch.input_audio_transcription
+    turn: Any = patch.turn_detection
+    if a_in is not None:
+        if a_in.transcription is not UNSET:
+            trans = a_in.transcription
+        if a_in.turn_detection is not UNSET:
+            turn = a_in.turn_detection
+    if trans is not UNSET:
+        new["transcription"] = None if trans is None else _merge_transcription(cfg.transcription, trans)
+    if turn is not UNSET:
+        new["turn_detection"] = None if turn is None else _merge_turn(cfg.turn_detection, turn, fail)
+    if isinstance(patch.temperature, (int, float)):
+        if not 0.0 <= patch.temperature <= 2.0:
+            raise fail("invalid_value", "temperature must be between 0 and 2", "temperature")
+        new["temperature"] = float(patch.temperature)
+    for name in ("max_response_output_tokens", "max_output_tokens"):
+        value = getattr(patch, name)
+        if value is not UNSET:
+            new["max_output_tokens"] = checked(check_max_tokens, value, fail, name)
+    if patch.tools is not UNSET:
+        new["tools"] = patch.tools
+    if patch.tool_choice is not UNSET:
+        new["tool_choice"] = patch.tool_choice
+    for key, value in new.items():
+        setattr(cfg, key, value)
+
+
+def render(cfg: SessionConfig, dialect: Dialect, session_id: str) -> dict[str, Any]:
+    """The session object as the client's dialect shapes it."""
+    td: dict[str, Any] | None = None
+    if cfg.turn_detection is not None:
+        t = cfg.turn_detection
+        td = {"type": t.type, "create_response": t.create_response, "interrupt_response": t.interrupt_response}
+        if t.type == "semantic_vad":
+            td["eagerness"] = t.eagerness
+        else:
+            td |= {
+                "threshold": t.threshold,
+                "prefix_padding_ms": t.prefix_padding_ms,
+                "silence_duration_ms": t.silence_duration_ms,
+            }
+            if not dialect.beta:  # beta's turn detection has no idle timeout
+                td["idle_timeout_ms"] = t.idle_timeout_ms
+    tr = None
+    if cfg.transcription is not None:
+        tr = {
+            "model": cfg.transcription.model,
+            "language": cfg.transcription.language,
+            "prompt": cfg.transcription.prompt,
+        }
+    common = {
+        "id": session_id,
+        "model": cfg.model,
+        "instructions": cfg.instructions,
+        "tools": cfg.tools,
+        "tool_choice": cfg.tool_choice,
+    }
+    if dialect.beta:
+        return common | {
+            "temperature": cfg.temperature,
+            "modalities": _beta_modalities(cfg.output_modalities),
+            "voice": cfg.voice,
+            "input_audio_format": cfg.input_format.beta_name,
+            "output_audio_format": cfg.output_format.beta_name,
+            "input_audio_transcription": tr,
+            "turn_detection": td,
+            "max_response_output_tokens": cfg.max_output_tokens,
+        }
+    return common | {
+        "object": "realtime.session",
+        "type": "realtime",
+        "output_modalities": cfg.output_modalities,
+        "audio": {
+            "input": {
+                "format": _render_format(cfg.input_format),
+                "transcription": tr,
+                "turn_detection": td,
+                "noise_reduction": None,
+            },
+            "output": {"format": _render_format(cfg.output_format), "voice": cfg.voice, "speed": 1.0},
+        },
+        "max_output_tokens": cfg.max_output_tokens,
+    }
+
+
+def parse_format(fmt: ce.AudioFormatIn | str) -> AudioFormat:
+    if isinstance(fmt, str):
+        return AudioFormat.parse(fmt)
+    return AudioFormat.parse(fmt.type, None if fmt.rate is UNSET else fmt.rate)
+
+
+def _render_format(fmt: AudioFormat) -> dict[str, Any]:
+    return {"type": fmt.type, "rate": fmt.rate} if fmt.type == "audio/pcm" else {"type": fmt.type}
+
+
+def _beta_modalities(mods: list[str]) -> list[str]:
+    # Beta clients say ["text", "audio"] for a spoken answer with transcript.
+    return ["text", "audio"] if "audio" in mods else ["text"]
+
+
+def checked(check: Callable[[Any], T], value: Any, fail: Callable[[str, str, str], ProtocolError], param: str) -> T:
+    try:
+        return check(value)
+    except ValueError as exc:
+        raise fail("invalid_value", str(exc), param) from None
+
+
+def check_modalities(mods: list[str]) -> list[str]:
+    if not mods or any(m not in ("text", "audio") for m in mods):
+        raise ValueError(f"modalities must be ['text'], ['audio'] or ['text', 'audio'], not {mods!r}")
+    return ["audio"] if "audio" in mods else ["text"]
+
+
+def check_max_tokens(value: int | str) -> int | str:
+    if value == "inf":
+        return "inf"
+    if isinstance(value, int) and 1 <= value <= MAX_OUTPUT_TOKENS_CAP:
+        return value
+    raise ValueError(f"max output tokens must be 1..{MAX_OUTPUT_TOKENS_CAP} or 'inf', not {value!r}")
+
+
+def _merge_transcription(old: Transcription | None, new: ce.TranscriptionIn) -> Transcription:
+    t = Transcription() if old is None else dataclasses.replace(old)
+    if new.model is not UNSET and new.model is not None:
+        t.model = new.model
+    if new.language is not UNSET:
+        t.language = new.language or None
+    if new.prompt is not UNSET:
+        t.prompt = new.prompt or None
+    return t
+
+
+def _merge_turn(old: TurnDetection | None, new: ce.TurnDetectionIn, fail: Any) -> TurnDetection:
+    kind = new.type if isinstance(new.type, str) else (old.type if old is not None else "server_vad")
+    if kind not in ("server_vad", "semantic_vad"):
+        raise fail(
+            "invalid_value",
+            f"turn_detection.type {kind!r} is not supported; use server_vad or semantic_vad",
+            "turn_detection.type",
+        )
+    t = TurnDetection() if old is None else dataclasses.replace(old)
+    t.type = kind
+    for name in (
+        "threshold",
+        "prefix_padding_ms",
+        "silence_duration_ms",
+        "create_response",
+        "interrupt_response",
+        "idle_timeout_ms",
+        "eagerness",
+    ):
+        value = getattr(new, name)
+        if value is not UNSET:
+            setattr(t, name, value)
+    if not 0.0 <= t.threshold <= 1.0:
+        raise fail("invalid_value", "threshold must be between 0 and 1", "turn_detection.threshold")
+    if not 0 <= t.prefix_padding_ms <= 10_000 or not 0 <= t.silence_duration_ms <= 10_000:
+        raise fail("invalid_value", "padding and silence must be 0..10000 ms", "turn_detection")
+    if t.idle_timeout_ms is not None and not 1_000 <= t.idle_timeout_ms <= 3_600_000:
+        raise fail("invalid_value", "idle_timeout_ms must be 1000..3600000", "turn_detection.idle_timeout_ms")
+    if t.eagerness not in EAGERNESS_MAX_MS:
+        raise fail("invalid_value", "eagerness must be low, medium, high or auto", "turn_detection.eagerness")
+    return t
