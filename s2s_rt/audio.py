@@ -174,6 +174,12 @@ def _filter_bank(up: int, down: int, taps_per_phase: int) -> Float32Array:
     return out
 
 
+#: Longest piece of input resampled in one step (one second at 48 kHz).
+BLOCK_SAMPLES = 48_000
+#: Most bytes of gather plans one resampler keeps.
+PLAN_CACHE_BYTES = 4 * 1024 * 1024
+
+
 class Resampler:
     """Streaming rational-rate resampler (windowed-sinc polyphase FIR).
 
@@ -195,21 +201,42 @@ class Resampler:
         self._consumed = 0  # input samples consumed before _history
         # Gather indices and filters per (chunk length, phase of the input
         # clock): a session's chunks repeat a few shapes, so each call is one
-        # gather and one dot product.
+        # gather and one dot product. Bounded in bytes, not entries.
         self._plans: dict[tuple[int, int], tuple[npt.NDArray[np.intp], Float32Array]] = {}
+        self._plan_bytes = 0
 
     def process(self, samples: Float32Array) -> Float32Array:
-        """Resample the next chunk; returns what can be produced so far."""
+        """Resample the next chunk; returns what can be produced so far.
+
+        A long chunk is worked through in blocks of at most :data:`BLOCK_SAMPLES`
+        input samples, so memory for one call stays bounded whatever its length.
+        """
         samples = np.asarray(samples, dtype=np.float32)
         if self.up == self.down:
             return samples
+        if len(samples) <= BLOCK_SAMPLES:
+            return self._process(samples)
+        pieces = [self._process(samples[i : i + BLOCK_SAMPLES]) for i in range(0, len(samples), BLOCK_SAMPLES)]
+        return np.concatenate(pieces)
+
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes held by the cached gather plans."""
+        return self._plan_bytes
+
+    def _process(self, samples: Float32Array) -> Float32Array:
         buf = np.concatenate([self._history, samples])
         key = (len(samples), self._consumed % self.down)
         plan = self._plans.get(key)
         if plan is None:
-            if len(self._plans) >= 64:
+            plan = self._plan(len(samples))
+            size = plan[0].nbytes + plan[1].nbytes
+            if self._plan_bytes + size > PLAN_CACHE_BYTES:
                 self._plans.clear()
-            plan = self._plans[key] = self._plan(len(samples))
+                self._plan_bytes = 0
+            if size <= PLAN_CACHE_BYTES:
+                self._plans[key] = plan
+                self._plan_bytes += size
         window, filters = plan
         self._next += len(window)
         self._roll(buf)

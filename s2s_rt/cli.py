@@ -23,6 +23,13 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     p.add_argument("--device", help="auto (default), cpu, cuda or cuda:N")
     p.add_argument("--llm", help="LLM preset (default, tiny) or a CTranslate2 model directory")
+    p.add_argument(
+        "--llm-url",
+        dest="llm_url",
+        help="an OpenAI-compatible endpoint (http://HOST:PORT/v1) that answers instead of the in-process LLM; "
+        "key from $S2S_RT_LLM_API_KEY",
+    )
+    p.add_argument("--llm-model", dest="llm_model", help="the model to ask --llm-url for (default: the first listed)")
     p.add_argument("--stt-model", dest="stt_model", help="a CTranslate2 Whisper directory")
     p.add_argument("--voice", dest="voices", action="append", help="an extra Piper voice .onnx; repeatable")
     p.add_argument(
@@ -43,6 +50,12 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     p.add_argument(
         "--allowed-origin", dest="allowed_origins", action="append", help="allow browsers from this Origin; repeatable"
+    )
+    p.add_argument(
+        "--trusted-proxy",
+        dest="trusted_proxies",
+        action="append",
+        help="a proxy address or network whose X-Forwarded-For names the client; repeatable",
     )
     p.add_argument("--log-level", dest="log_level", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-format", dest="log_format", choices=["text", "json"], help="text (default) or json lines")

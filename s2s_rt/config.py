@@ -6,6 +6,7 @@ default, so an empty configuration serves.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import tomllib
 from collections.abc import Mapping
@@ -61,6 +62,17 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     idle_session_s: float = 600.0
     #: Concurrent connections (sessions and handshakes) from one client address; 0 disables.
     max_connections_per_ip: int = 0
+    #: A connection whose events are refused by the rate limit for this many seconds in a row is closed (1008).
+    flood_close_s: float = 5.0
+
+    # Memory budget per session (MiB); each bound is enforced and shown in /metrics
+    #: Encoded events waiting to be sent: past it, the session's producers wait for the client to read.
+    max_output_mib: float = 16.0
+    #: Decoded input audio waiting for the VAD stage: past it, the session's socket is not read.
+    max_input_queue_mib: float = 32.0
+    #: Conversation items: past it, the oldest items are dropped (``conversation.item.deleted``), as
+    #: OpenAI truncates a full context; a single item larger than this is refused.
+    max_conversation_mib: float = 16.0
 
     # Engines
     #: ``default`` (real models) or ``fake`` (deterministic engines for tests).
@@ -69,6 +81,13 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     device: str = "auto"
     #: LLM preset (``default``: Qwen2.5-Coder-0.5B-Instruct, ``tiny``: SmolLM2-135M) or a CTranslate2 model directory.
     llm: str = "default"
+    #: An OpenAI-compatible chat completions endpoint (``http://HOST:PORT/v1``) that answers
+    #: instead of the in-process LLM (``llm`` is then not loaded).
+    llm_url: str | None = None
+    #: The model to ask ``llm_url`` for (unset: the first one it lists).
+    llm_model: str | None = None
+    #: Bearer key for ``llm_url``; set it with ``$S2S_RT_LLM_API_KEY`` (there is no flag: keys stay out of ``ps``).
+    llm_api_key: str | None = None
     #: A CTranslate2 Whisper directory instead of the packaged Whisper base.
     stt_model: str | None = None
     #: Extra Piper voices (``.onnx`` files with their ``.onnx.json`` beside them).
@@ -95,6 +114,9 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     api_keys: list[str] = []
     #: When non-empty, browsers (which send ``Origin``) must come from one of these.
     allowed_origins: list[str] = []
+    #: Proxies (addresses or networks) whose ``X-Forwarded-For`` names the real client
+    #: (for per-address limits and logs); other peers' header is ignored.
+    trusted_proxies: list[str] = []
 
     log_level: str = "info"
     #: ``text`` for people, ``json`` for log collectors (one object per line).
@@ -124,6 +146,15 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ConfigError("stage_workers and queue_size must be at least 1")
         if self.stack not in ("fake", "default"):
             raise ConfigError(f"stack must be 'fake' or 'default', not {self.stack!r}")
+        if self.llm_url is not None and not self.llm_url.startswith(("http://", "https://")):
+            raise ConfigError(f"llm_url must be an http:// or https:// URL, not {self.llm_url!r}")
+        if min(self.max_output_mib, self.max_input_queue_mib, self.max_conversation_mib) <= 0:
+            raise ConfigError("max_output_mib, max_input_queue_mib and max_conversation_mib must be positive")
+        for proxy in self.trusted_proxies:
+            try:
+                ipaddress.ip_network(proxy, strict=False)
+            except ValueError:
+                raise ConfigError(f"trusted_proxies: {proxy!r} is not an address or network") from None
         return self
 
 

@@ -8,6 +8,7 @@ A handful of counters, gauges and histograms with labels: enough for
 from __future__ import annotations
 
 import bisect
+import os
 from collections.abc import Callable, Iterable
 
 Labels = tuple[tuple[str, str], ...]
@@ -91,7 +92,12 @@ class Histogram:
 class Metrics:
     """Every metric the server exports, by name."""
 
-    def __init__(self, slot_states: Callable[[], dict[str, int]], hung_calls: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        slot_states: Callable[[], dict[str, int]],
+        hung_calls: Callable[[], int],
+        held_bytes: Callable[[], dict[str, int]] = dict,
+    ) -> None:
         self.sessions_total = Counter("s2s_sessions_total", "Sessions started.")
         self.rejections = Counter("s2s_rejections_total", "Connections refused, by reason.")
         self.events_in = Counter("s2s_events_in_total", "Client events received, by type.")
@@ -122,12 +128,27 @@ class Metrics:
         )
         self.hung = Gauge(
             "s2s_inference_calls_overdue",
-            "Engine calls running past their deadline.",
+            "Engine calls whose caller gave up (deadline or cancellation) still running on a thread.",
             lambda: {(): float(hung_calls())},
         )
+        self.held = Gauge(
+            "s2s_session_bytes",
+            "Bytes all sessions hold, by budget (output, input_audio, conversation, resampler_cache).",
+            lambda: {(("budget", k),): float(v) for k, v in held_bytes().items()},
+        )
+        self.rss = Gauge("process_resident_memory_bytes", "Resident memory of this process.", _resident_bytes)
 
     def render(self) -> str:
         lines: list[str] = []
         for metric in vars(self).values():
             lines += metric.render()
         return "\n".join(lines) + "\n"
+
+
+def _resident_bytes() -> dict[tuple[tuple[str, str], ...], float]:
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            pages = int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):  # not Linux
+        return {}
+    return {(): float(pages * os.sysconf("SC_PAGE_SIZE"))}

@@ -45,6 +45,8 @@ log = logging.getLogger("s2s_rt.server")
 REALTIME_PATHS = ("/v1/realtime", "/realtime")
 BETA_SUBPROTOCOL = "openai-beta.realtime-v1"
 KEY_SUBPROTOCOL = "openai-insecure-api-key."
+#: The header operator requests (``POST /drain``, ``POST /undrain``) must carry, with the value 1.
+OPERATOR_HEADER = "S2S-Operator"
 
 
 def load_stack(config: Config) -> Stack:
@@ -97,7 +99,8 @@ class Server:
         self.closing = False
         self.draining = False
         self._per_ip: dict[str, int] = {}
-        self.metrics = Metrics(self._slot_states, self._overdue_calls)
+        self._trusted = [ipaddress.ip_network(p, strict=False) for p in self.config.trusted_proxies]
+        self.metrics = Metrics(self._slot_states, self._overdue_calls, self._held_bytes)
         self.pool: Pool | None = None
         self.pools: dict[str, StagePool] = {}
         self._runner: asyncio.Task[None] | None = None
@@ -177,6 +180,8 @@ class Server:
                     if cfg.speculate_after_ms is not None
                     else (150 if self.stack.name == "default" else 0)
                 ),
+                max_output_bytes=_mib(cfg.max_output_mib),
+                max_input_queue_bytes=_mib(cfg.max_input_queue_mib),
             )
             for i in range(cfg.pool_size)
         ]
@@ -256,7 +261,7 @@ class Server:
     # --- per connection -----------------------------------------------------
 
     async def _handle(self, ws: ServerConnection) -> None:
-        host = _host(ws)
+        host = client_host(ws, self._trusted)
         self._per_ip[host] = self._per_ip.get(host, 0) + 1
         try:
             await self._serve_connection(ws, host)
@@ -293,12 +298,13 @@ class Server:
             return
         # From the claim on, whatever happens, the slot is handed back.
         started = time.monotonic()
-        client = _address(ws)
+        host, port = client_host(ws, self._trusted), _peer(ws)[1]
+        client = f"{host}:{port}" if port is not None and host == _peer(ws)[0] else host
         session: Session | None = None
         reason = "client closed"
         try:
             dialect = BETA if _wants_beta(ws.request) else GA
-            session = Session(dialect, self.stack.tts.voices)
+            session = Session(dialect, self.stack.tts.voices, max_conversation_bytes=_mib(cfg.max_conversation_mib))
             self.metrics.sessions_total.inc()
             await slot.attach(ws, session, client)
             log.info(
@@ -381,22 +387,27 @@ class Server:
         cfg = self.config
         loop = asyncio.get_running_loop()
         budget = EventBudget(cfg.max_events_per_s, cfg.max_events_burst)
+        refusals = Refusals()
         activity = Activity(loop.time())
         watchdog = asyncio.create_task(self._watch(ws, slot, activity), name=f"slot{slot.index}-watchdog")
         try:
             async for message in ws:
                 now = loop.time()
                 activity.last = now
-                if not budget.take(now):
-                    await slot.error(
-                        ProtocolError(
-                            "rate_limit_exceeded",
-                            f"Too many events: at most {cfg.max_events_per_s:g} per second (burst"
-                            f" {cfg.max_events_burst}); this event was not processed",
-                        )
-                    )
+                if budget.take(now):
+                    unreported = refusals.accepted(now)
+                    if unreported:
+                        await self._refused(slot, unreported)
+                    await slot.receive(message)
                     continue
-                await slot.receive(message)
+                # Refusing must cost less than the abuse: one notice a second, with a count.
+                unreported = refusals.refuse(now)
+                if unreported:
+                    await self._refused(slot, unreported)
+                if refusals.flooding_for(now) >= cfg.flood_close_s:
+                    text = f"Events were refused for {cfg.flood_close_s:g} s in a row; closing this connection"
+                    await slot.end_with_error(ProtocolError("rate_limit_flood", text), 1008)
+                    return "flood"
         finally:
             # The watchdog is owned here: it ends with the connection, and is waited for.
             watchdog.cancel()
@@ -404,6 +415,17 @@ class Server:
         if watchdog.cancelled():
             return None
         return watchdog.result()
+
+    async def _refused(self, slot: Slot, count: int) -> None:
+        cfg = self.config
+        self.metrics.errors.inc(count - 1, code="rate_limit_exceeded")
+        await slot.error(
+            ProtocolError(
+                "rate_limit_exceeded",
+                f"Too many events: at most {cfg.max_events_per_s:g} per second (burst {cfg.max_events_burst});"
+                f" {count} event(s) were not processed since the last notice",
+            )
+        )
 
     async def _watch(self, ws: ServerConnection, slot: Slot, activity: Activity) -> str:
         """Sleep until the connection's next deadline; end the session when one has passed."""
@@ -435,16 +457,23 @@ class Server:
     # --- HTTP on the same port -------------------------------------------------
 
     def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:
+        response = self._route(connection, request)
+        if response is not None and request.method == "HEAD":
+            # The headers GET would get (Content-Length included), and no body.
+            response = Response(response.status_code, response.reason_phrase, response.headers, b"")
+        return response
+
+    def _route(self, connection: ServerConnection, request: Request) -> Response | None:
         path = request.path.split("?", 1)[0].rstrip("/") or "/"
+        if len(request.headers.get_all("Authorization")) > 1:
+            return _response(HTTPStatus.BAD_REQUEST, "more than one Authorization header\n")
         if path in REALTIME_PATHS:
             if self.closing or self.draining:
                 self.metrics.rejections.inc(reason="draining")
                 return _response(HTTPStatus.SERVICE_UNAVAILABLE, "draining: no new sessions\n")
             if not self._authorized(request):
                 self.metrics.rejections.inc(reason="unauthorized")
-                response = _response(HTTPStatus.UNAUTHORIZED, "missing or wrong API key\n")
-                response.headers["WWW-Authenticate"] = 'Bearer realm="s2s-rt"'
-                return response
+                return _unauthorized()
             origins = request.headers.get_all("Origin")
             if len(origins) > 1:
                 self.metrics.rejections.inc(reason="origin")
@@ -455,11 +484,8 @@ class Server:
                 return _response(HTTPStatus.FORBIDDEN, f"origin {origin} is not allowed\n")
             return None
         assert self.pool is not None
-        if path == "/drain":
-            if not _is_loopback(connection):
-                return _response(HTTPStatus.FORBIDDEN, "drain is only allowed from this host\n")
-            self.drain()
-            return _response(HTTPStatus.OK, f"draining: {self.pool.busy()} sessions still running\n")
+        if path in ("/drain", "/undrain"):
+            return self._operator(connection, request, path)
         if path == "/healthz":
             return _response(HTTPStatus.OK, "ok\n")
         if path == "/readyz":
@@ -469,7 +495,14 @@ class Server:
                 status, f"{'ready' if free else 'not ready'}: {free} of {len(self.pool.slots)} slots free\n"
             )
         if path == "/v1/pool":
-            body = self.pool.describe() | {"closing": self.closing, "stack": self.stack.name if self.stack else None}
+            # Session ids and client addresses: only for those who hold a key, when keys are set.
+            if not self._authorized(request, subprotocol=False):
+                return _unauthorized()
+            body = self.pool.describe() | {
+                "closing": self.closing,
+                "draining": self.draining,
+                "stack": self.stack.name if self.stack else None,
+            }
             return _response(HTTPStatus.OK, json.dumps(body), "application/json")
         if path == "/metrics":
             return _response(HTTPStatus.OK, self.metrics.render(), "text/plain; version=0.0.4; charset=utf-8")
@@ -479,7 +512,41 @@ class Server:
             return _static(path[len("/static/") :])
         return _response(HTTPStatus.NOT_FOUND, f"not found: {path}\n")
 
-    def _authorized(self, request: Request) -> bool:
+    def _operator(self, connection: ServerConnection, request: Request, path: str) -> Response:
+        """``POST /drain`` and ``POST /undrain``, for operators only.
+
+        A browser cannot send them cross-site: they need POST and the
+        ``S2S-Operator`` header, which no form or image can carry (a script
+        would need a CORS preflight this server never approves). With API
+        keys set they also need a key; without keys, only this host may ask.
+        """
+        assert self.pool is not None
+        if request.method != "POST":
+            response = _response(
+                HTTPStatus.METHOD_NOT_ALLOWED, f"use POST {path} with the header {OPERATOR_HEADER}: 1\n"
+            )
+            response.headers["Allow"] = "POST"
+            return response
+        if request.headers.get_all(OPERATOR_HEADER) != ["1"]:
+            return _response(HTTPStatus.FORBIDDEN, f"{path} needs the header {OPERATOR_HEADER}: 1\n")
+        if self.config.api_keys:
+            if not self._authorized(request, subprotocol=False):
+                return _unauthorized()
+        elif not _is_loopback(connection):
+            return _response(HTTPStatus.FORBIDDEN, f"without API keys, {path} is only allowed from this host\n")
+        if path == "/drain":
+            self.drain()
+            return _response(HTTPStatus.OK, f"draining: {self.pool.busy()} sessions still running\n")
+        self.undrain()
+        return _response(HTTPStatus.OK, f"taking new sessions: {self.pool.free} slots free\n")
+
+    def _authorized(self, request: Request, *, subprotocol: bool = True) -> bool:
+        """Whether the request carries a configured key (always, when none is configured).
+
+        Args:
+            subprotocol: also accept the browser's ``openai-insecure-api-key.KEY`` subprotocol
+                (handshakes only; plain HTTP requests must send ``Authorization``).
+        """
         keys = self.config.api_keys
         if not keys:
             return True
@@ -487,7 +554,7 @@ class Server:
         for auth in request.headers.get_all("Authorization"):
             if auth[:7].lower() == "bearer ":
                 offered.append(auth[7:].strip())
-        for header in request.headers.get_all("Sec-WebSocket-Protocol"):
+        for header in request.headers.get_all("Sec-WebSocket-Protocol") if subprotocol else ():
             for proto in header.split(","):
                 proto = proto.strip()
                 if proto.startswith(KEY_SUBPROTOCOL):
@@ -505,11 +572,38 @@ class Server:
             self.draining = True
             log.info("draining: no new sessions; %d running", self.pool.busy() if self.pool else 0)
 
+    def undrain(self) -> None:
+        """Take new sessions again after :meth:`drain` (not after shutdown began)."""
+        if self.draining:
+            self.draining = False
+            log.info("taking new sessions again")
+
     def _slot_states(self) -> dict[str, int]:
         return self.pool.states() if self.pool is not None else {}
 
+    def _held_bytes(self) -> dict[str, int]:
+        held = {"output": 0, "input_audio": 0, "conversation": 0, "resampler_cache": 0}
+        for slot in self.pool.slots if self.pool is not None else ():
+            held["output"] += slot.outbox.budget.used
+            held["input_audio"] += slot.input_budget.used
+            ctx = slot.ctx
+            if ctx is not None:
+                held["conversation"] += ctx.session.conversation.bytes
+                held["resampler_cache"] += ctx.resampler.cache_bytes
+        return held
+
     def _overdue_calls(self) -> int:
         return sum(p.overdue for p in self.pools.values())
+
+
+def _unauthorized() -> Response:
+    response = _response(HTTPStatus.UNAUTHORIZED, "missing or wrong API key\n")
+    response.headers["WWW-Authenticate"] = 'Bearer realm="s2s-rt"'
+    return response
+
+
+def _mib(mib: float) -> int:
+    return int(mib * 1024 * 1024)
 
 
 def _response(status: HTTPStatus, body: str, content_type: str = "text/plain; charset=utf-8") -> Response:
@@ -553,6 +647,42 @@ class Activity:
         self.last = now
 
 
+class Refusals:
+    """Events a connection had refused: when to tell it, and how long it has been flooding."""
+
+    __slots__ = ("flood_since", "last_notice", "last_refusal", "unreported")
+
+    def __init__(self) -> None:
+        self.unreported = 0
+        self.last_notice: float | None = None
+        self.last_refusal = 0.0
+        self.flood_since: float | None = None
+
+    def refuse(self, now: float) -> int:
+        """Count a refusal; returns how many to report now (0: not yet, one notice a second)."""
+        self.unreported += 1
+        self.last_refusal = now
+        if self.flood_since is None:
+            self.flood_since = now
+        if self.last_notice is None or now - self.last_notice >= 1.0:
+            n, self.unreported, self.last_notice = self.unreported, 0, now
+            return n
+        return 0
+
+    def accepted(self, now: float) -> int:
+        """Count an accepted event; returns refusals not yet reported that are due now (else 0)."""
+        # A second without refusals ends a flood; an event let through now and then does not.
+        if self.flood_since is not None and now - self.last_refusal >= 1.0:
+            self.flood_since = None
+        if self.unreported and self.last_notice is not None and now - self.last_notice >= 1.0:
+            n, self.unreported, self.last_notice = self.unreported, 0, now
+            return n
+        return 0
+
+    def flooding_for(self, now: float) -> float:
+        return 0.0 if self.flood_since is None else now - self.flood_since
+
+
 class EventBudget:
     """A token bucket: ``rate`` events per second on average, ``burst`` at once."""
 
@@ -572,16 +702,35 @@ class EventBudget:
         return False
 
 
-def _host(ws: ServerConnection) -> str:
-    addr = ws.remote_address
-    return str(addr[0]) if isinstance(addr, tuple) else str(addr)
-
-
-def _address(ws: ServerConnection) -> str:
+def _peer(ws: ServerConnection) -> tuple[str, int | None]:
     addr = ws.remote_address
     if isinstance(addr, tuple) and len(addr) >= 2:
-        return f"{addr[0]}:{addr[1]}"
-    return str(addr)
+        return str(addr[0]), int(addr[1])
+    return str(addr), None
+
+
+def client_host(ws: ServerConnection, trusted: Sequence[ipaddress.IPv4Network | ipaddress.IPv6Network]) -> str:
+    """The client's address: the peer's, or, behind a trusted proxy, the one it forwarded for.
+
+    ``X-Forwarded-For`` is read from the right, skipping trusted proxies; the
+    header of a peer that is not a trusted proxy is ignored (anyone can send it).
+    """
+    host, _ = _peer(ws)
+    if not trusted or not _in(host, trusted) or ws.request is None:
+        return host
+    hops = [h.strip() for v in ws.request.headers.get_all("X-Forwarded-For") for h in v.split(",") if h.strip()]
+    for hop in reversed(hops):
+        if not _in(hop, trusted):
+            return hop
+    return hops[0] if hops else host
+
+
+def _in(host: str, networks: Sequence[ipaddress.IPv4Network | ipaddress.IPv6Network]) -> bool:
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return any(ip in net for net in networks)
 
 
 STATIC_DIR = Path(__file__).parent / "static"

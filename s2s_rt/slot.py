@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from s2s_rt.budget import ByteBudget
 from s2s_rt.engines.base import Stack
 from s2s_rt.inference import StagePool, VadBatcher
 from s2s_rt.metrics import Metrics
@@ -87,6 +88,8 @@ class Slot:
         max_input_buffer_s: most uncommitted input audio per session.
         send_timeout_s: how long one send may wait for a client that does not read.
         speculate_after_ms: silence after which a turn is transcribed ahead of its end (0: never).
+        max_output_bytes: most bytes of encoded events a session may have waiting to be sent.
+        max_input_queue_bytes: most bytes of decoded input audio waiting for the VAD stage.
     """
 
     def __init__(
@@ -102,6 +105,8 @@ class Slot:
         max_input_buffer_s: float = 900.0,
         send_timeout_s: float = 10.0,
         speculate_after_ms: int = 0,
+        max_output_bytes: int = 16 << 20,
+        max_input_queue_bytes: int = 32 << 20,
     ) -> None:
         self.index = index
         self.stack = stack
@@ -119,7 +124,9 @@ class Slot:
         self.stt_q: asyncio.Queue[Any] = asyncio.Queue(queue_size)
         self.llm_q: asyncio.Queue[Any] = asyncio.Queue(queue_size)
         self.tts_q: asyncio.Queue[Any] = asyncio.Queue(queue_size)
-        self.outbox = Outbox(index, metrics, queue_size, send_timeout_s)
+        self.outbox = Outbox(index, metrics, queue_size, send_timeout_s, max_output_bytes)
+        #: Decoded audio waiting for the VAD stage: a client that sends faster than it is heard waits.
+        self.input_budget = ByteBudget("input audio", max_input_queue_bytes)
         self.outbox.on_session_end = self._session_ended
         self.outbox.on_response_done = self._notify
         self.dispatch = Dispatcher(self)
@@ -206,6 +213,7 @@ class Slot:
 
     def _flush(self) -> None:
         dropped = self.outbox.flush()
+        self.input_budget.reset()
         for q in (self.vad_q, self.stt_q, self.llm_q, self.tts_q):
             while not q.empty():
                 q.get_nowait()

@@ -160,6 +160,20 @@ def schema_errors(value: Any, schema: dict[str, Any], path: str = "arguments") -
     return errors
 
 
+def chat_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    """A Realtime tool (flat: ``{"type": "function", "name": …}``) in chat completions form.
+
+    Chat templates and chat completions endpoints both take
+    ``{"type": "function", "function": {"name", "description", "parameters"}}``.
+    """
+    nested = tool.get("function")
+    function: dict[str, Any] = nested if isinstance(nested, dict) else tool
+    return {
+        "type": "function",
+        "function": {key: function[key] for key in ("name", "description", "parameters") if key in function},
+    }
+
+
 def offered_tools(tools: list[dict[str, Any]], tool_choice: Any) -> tuple[list[dict[str, Any]], bool]:
     """The tools to show the model for ``tool_choice``, and whether it must call one."""
     if tool_choice == "none" or not tools:

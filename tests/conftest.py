@@ -176,12 +176,17 @@ class RealtimeClient:
         return [e for e in self.events if e["type"] == type]
 
 
-async def http_get(server: Server, path: str) -> tuple[int, str]:
-    """GET on the server's port, off the loop (urllib is blocking)."""
+async def http_get(
+    server: Server, path: str, *, method: str = "GET", headers: dict[str, str] | None = None
+) -> tuple[int, str]:
+    """An HTTP request (GET by default) on the server's port, off the loop (urllib is blocking)."""
 
     def get() -> tuple[int, str]:
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{server.port}{path}", method=method, headers=headers or {}
+        )
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{server.port}{path}", timeout=5) as r:
+            with urllib.request.urlopen(request, timeout=5) as r:
                 return r.status, r.read().decode()
         except urllib.error.HTTPError as e:
             return e.code, e.read().decode()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import json
 import resource
 import socket
@@ -198,21 +199,32 @@ def test_input_buffer_cap_refuses_the_excess_with_an_error() -> None:
     run(scenario())
 
 
-def test_event_rate_limit_refuses_excess_events_each_with_an_error() -> None:
+def test_event_rate_limit_refuses_excess_events_with_one_counted_notice_a_second() -> None:
     async def scenario() -> None:
         async with live_server(max_events_per_s=50, max_events_burst=20) as server:
             async with RealtimeClient.connect(server) as c:
                 await c.until("session.created")
                 for i in range(100):
                     await c.send("session.update", event_id=f"e{i}", session={"instructions": f"n{i}"})
-                updated = refused = 0
-                while updated + refused < 100:
+                await c.send("conversation.item.retrieve", item_id="nope", event_id="last")
+                await asyncio.sleep(1.1)  # the next refusal after a second is counted in a new notice
+                await c.send("conversation.item.retrieve", item_id="nope", event_id="probe")
+                updated, notices, counted, last = 0, [], 0, 0
+                while True:
                     e = await c.recv()
                     if e["type"] == "session.updated":
                         updated += 1
                     elif e["type"] == "error" and e["error"]["code"] == "rate_limit_exceeded":
-                        refused += 1
-                assert refused > 0 and updated >= 20
+                        notices.append(e)
+                        counted += int(re.search(r"(\d+) event\(s\) were not processed", e["error"]["message"])[1])
+                    elif e["type"] == "error" and e["error"]["event_id"] == "last":
+                        last = 1
+                    elif e["type"] == "error" and e["error"]["event_id"] == "probe":
+                        break
+                # Nothing silent: every event was processed or counted as refused…
+                assert updated >= 20 and updated + last + counted == 101
+                # …but the refusals cost one notice, not one event each.
+                assert len(notices) <= 2
 
     run(scenario())
 

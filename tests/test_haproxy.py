@@ -89,9 +89,10 @@ def spawn(argv: list[str], log: Path, env: dict[str, str] | None = None) -> subp
         return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
 
 
-def http_get(port: int, path: str) -> tuple[int, str]:
+def http_get(port: int, path: str, method: str = "GET", headers: dict[str, str] | None = None) -> tuple[int, str]:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method=method, headers=headers or {})
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=3) as r:
+        with urllib.request.urlopen(request, timeout=3) as r:
             return r.status, r.read().decode()
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode()
@@ -103,8 +104,12 @@ def healthy(port: int) -> bool:
     return http_get(port, "/healthz")[0] == 200
 
 
-async def aget(port: int, path: str) -> tuple[int, str]:
-    return await asyncio.to_thread(http_get, port, path)
+async def aget(port: int, path: str, method: str = "GET", headers: dict[str, str] | None = None) -> tuple[int, str]:
+    return await asyncio.to_thread(http_get, port, path, method, headers)
+
+
+#: What an operator sends to drain a process (see README: operator endpoints).
+DRAIN = {"method": "POST", "headers": {"S2S-Operator": "1"}}
 
 
 async def sessions_active(port: int) -> int:
@@ -301,7 +306,7 @@ def test_drained_backend_finishes_its_sessions_while_new_ones_go_to_the_other(ba
             assert [await sessions_active(b.port) for b in balanced.backends] == [1, 1]
             on_drained = first if await balanced.backend_of(first) is drained else second
 
-            status, body = await aget(drained.port, "/drain")
+            status, body = await aget(drained.port, "/drain", **DRAIN)
             assert status == 200 and "1 sessions still running" in body
             # At once, before HAProxy's next health check: the drained process
             # refuses the handshake with 503 and HAProxy replays it on the other.
@@ -358,8 +363,8 @@ def test_sigkill_of_one_backend_ends_only_its_sessions_and_new_ones_go_to_the_su
 def test_drain_cannot_be_reached_through_haproxy(balanced: Balanced) -> None:
     # Every request HAProxy forwards comes from loopback, which /drain trusts.
     async def scenario() -> None:
-        assert (await aget(balanced.port, "/drain"))[0] == 403
-        assert (await aget(balanced.port, "/drain/"))[0] == 403
+        assert (await aget(balanced.port, "/drain", **DRAIN))[0] == 403
+        assert (await aget(balanced.port, "/drain/", **DRAIN))[0] == 403
         for b in balanced.backends:
             assert (await aget(b.port, "/readyz"))[0] == 200
 

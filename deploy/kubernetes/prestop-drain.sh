@@ -1,7 +1,8 @@
 #!/bin/sh
 # Kubernetes preStop hook for s2s-rt: drain, then wait for the sessions to end.
 #
-# 1. GET /drain: the process takes no new session (new handshakes get HTTP 503)
+# 1. POST /drain (header S2S-Operator: 1, and the first of S2S_RT_API_KEYS as
+#    a Bearer key when keys are set): the process takes no new session (new handshakes get HTTP 503)
 #    and /readyz answers 503, so every balancer that checks it (the Service's
 #    endpoints, HAProxy) stops sending clients here. Running sessions go on.
 # 2. Wait until s2s_sessions_active in /metrics is 0, or S2S_DRAIN_WAIT_S
@@ -32,12 +33,22 @@ def get(path: str) -> str:
         return response.read().decode()
 
 
+def drain() -> str:
+    headers = {"S2S-Operator": "1"}
+    keys = [k for k in os.environ.get("S2S_RT_API_KEYS", "").split(",") if k.strip()]
+    if keys:
+        headers["Authorization"] = f"Bearer {keys[0].strip()}"
+    request = urllib.request.Request(base + "/drain", method="POST", headers=headers)
+    with urllib.request.urlopen(request, timeout=5) as response:
+        return response.read().decode()
+
+
 def say(text: str) -> None:
     print(f"s2s-rt preStop: {text}", file=sys.stderr, flush=True)
 
 
 try:
-    say(get("/drain").strip())
+    say(drain().strip())
 except OSError as exc:
     say(f"cannot drain {base}: {exc}; nothing to wait for")
     sys.exit(0)

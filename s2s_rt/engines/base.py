@@ -9,9 +9,9 @@ state) is created by the engine and kept by the slot.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -106,6 +106,49 @@ class LLM(Protocol):
         with role ``tool`` carries a function's result back.
         """
         ...
+
+
+@runtime_checkable
+class AsyncLLM(LLM, Protocol):
+    """An LLM that waits on the network: it also streams on the event loop.
+
+    Its answers are computed elsewhere, so the LLM stage iterates
+    :meth:`astream` on the event loop instead of holding an executor thread
+    per answer, and cancelling the stage's task closes the connection at
+    once instead of at the next piece.
+    """
+
+    def astream(
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        max_tokens: int,
+        temperature: float,
+        should_stop: StopCheck,
+        usage: LLMUsage,
+        tools: Sequence[dict[str, Any]] = (),
+        require_tool: bool = False,
+    ) -> AsyncGenerator[str, None]:
+        """As :meth:`LLM.stream`, as an async iterator; also stops when its task is cancelled.
+
+        Enforces its own deadline per piece (it runs in no executor).
+        """
+        ...
+
+
+class LLMError(Exception):
+    """An LLM failure a client can act on; ``code`` goes into the failed response.
+
+    Args:
+        code: ``llm_unavailable`` (the model cannot be reached now: retry
+            later), ``llm_timeout`` (it stopped answering), ``llm_failed``
+            (it refused the request).
+        message: what happened, for the client and the log.
+    """
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class TTS(Protocol):

@@ -1,4 +1,4 @@
-"""The default stack: Silero VAD, Whisper STT, a CTranslate2 chat LLM, Piper TTS."""
+"""The default stack: Silero VAD, Whisper STT, a CTranslate2 chat LLM (or a remote one), Piper TTS."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TypeVar
 
-from s2s_rt.engines.base import Stack
+from s2s_rt.engines.base import LLM, Stack
 from s2s_rt.engines.device import resolve_device
 from s2s_rt.engines.piper import PiperTTS
 from s2s_rt.engines.silero import SileroVAD
@@ -20,8 +20,9 @@ def load_default_stack(
     *,
     vad_model: Path,
     whisper_dir: Path,
-    llm_dir: Path,
+    llm_dir: Path | None = None,
     voices: Mapping[str, Path],
+    llm: LLM | None = None,
     device: str = "auto",
     stt_threads: int = 1,
     llm_threads: int = 1,
@@ -33,7 +34,8 @@ def load_default_stack(
     Args:
         vad_model: ``silero_vad.onnx``.
         whisper_dir: a CTranslate2 Whisper conversion.
-        llm_dir: a CTranslate2 decoder LLM with its tokenizer.
+        llm_dir: a CTranslate2 decoder LLM with its tokenizer, loaded
+            unless ``llm`` is given.
         voices: Piper voice name -> ``.onnx`` path; the first is the default.
         device: ``auto``, ``cpu``, ``cuda`` or ``cuda:N`` (see
             :func:`s2s_rt.engines.device.resolve_device`).
@@ -41,6 +43,8 @@ def load_default_stack(
         llm_threads: threads one LLM generation may use.
         tts_threads: threads one sentence's synthesis may use.
         vad_threads: threads one VAD batch may use.
+        llm: an LLM engine made elsewhere (a remote endpoint's) instead of
+            loading ``llm_dir``; the caller describes it.
 
     Returns:
         The stack, whose ``description`` names each model, its device or
@@ -48,7 +52,8 @@ def load_default_stack(
 
     Raises:
         RuntimeError: CUDA was requested explicitly and does not work.
-        ValueError: an unknown device, or an unusable voice config.
+        ValueError: an unknown device, or an unusable voice config, or
+            neither ``llm_dir`` nor ``llm``.
         FileNotFoundError: a model file is missing.
         s2s_rt.models.ModelError: the LLM directory is unusable.
     """
@@ -76,26 +81,33 @@ def load_default_stack(
             intra_threads=stt_threads,
         ),
     )
-    # Imported here: the LLM engine is the heaviest module and the only one
-    # the other engines do not need.
-    from s2s_rt.engines.llm import CT2ChatLLM
+    llm_lines = []
+    if llm is None:
+        if llm_dir is None:
+            raise ValueError("load_default_stack needs llm_dir or llm")
+        # Imported here: the LLM engine is the heaviest module and the only one
+        # the other engines do not need.
+        from s2s_rt.engines.llm import CT2ChatLLM
 
-    # CT2ChatLLM takes no device index: on cuda:N with N > 0 it would run on
-    # device 0, so CUDA_VISIBLE_DEVICES is the way to pick another GPU for it.
-    llm = timed(
-        "LLM",
-        lambda: CT2ChatLLM(
-            llm_dir,
-            device=kind,
-            compute_type=choice.ct2_compute_type(quantized=True),
-            intra_threads=llm_threads,
-        ),
-    )
+        directory = llm_dir
+        # CT2ChatLLM takes no device index: on cuda:N with N > 0 it would run on
+        # device 0, so CUDA_VISIBLE_DEVICES is the way to pick another GPU for it.
+        local = timed(
+            "LLM",
+            lambda: CT2ChatLLM(
+                directory,
+                device=kind,
+                compute_type=choice.ct2_compute_type(quantized=True),
+                intra_threads=llm_threads,
+            ),
+        )
+        llm_lines.append(f"{local.describe()}; loaded in {load_seconds['LLM']:.2f} s")
+        llm = local
     tts = timed("TTS", lambda: PiperTTS(voices, providers=providers, intra_threads=tts_threads))
     description += [
         f"{vad.describe()}; loaded in {load_seconds['VAD']:.2f} s",
         f"{stt.describe()}; loaded in {load_seconds['STT']:.2f} s",
-        f"{llm.describe()}; loaded in {load_seconds['LLM']:.2f} s",
+        *llm_lines,
         *tts.describe(),
         f"TTS: {len(tts.voices)} voice(s) loaded in {load_seconds['TTS']:.2f} s",
     ]

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 from s2s_rt.engines.base import ChatMessage, LLMUsage, StopCheck
 from s2s_rt.models.errors import PREPARE_COMMAND, ModelError
+from s2s_rt.toolcalls import chat_tool
 
 #: At or below this temperature, decoding is greedy (deterministic).
 GREEDY_TEMPERATURE = 0.01
@@ -212,7 +213,7 @@ class ChatML:
 
 def _tools_section(tools: Sequence[dict[str, Any]]) -> str:
     """Qwen2.5's description of the offered functions, word for word."""
-    signatures = "".join(f"\n{json.dumps(_function_signature(tool), ensure_ascii=False)}" for tool in tools)
+    signatures = "".join(f"\n{json.dumps(chat_tool(tool), ensure_ascii=False)}" for tool in tools)
     return (
         "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
         "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
@@ -221,17 +222,6 @@ def _tools_section(tools: Sequence[dict[str, Any]]) -> str:
         "<tool_call></tool_call> XML tags:\n<tool_call>\n"
         '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
     )
-
-
-def _function_signature(tool: dict[str, Any]) -> dict[str, Any]:
-    # Realtime tools are flat ({"type": "function", "name": ...}); chat
-    # templates are shown them the way Hugging Face passes them.
-    nested = tool.get("function")
-    function: dict[str, Any] = nested if isinstance(nested, dict) else tool
-    return {
-        "type": "function",
-        "function": {key: function[key] for key in ("name", "description", "parameters") if key in function},
-    }
 
 
 def _default_system_prompt(template: str) -> str | None:

@@ -28,6 +28,8 @@ PathLike = str | os.PathLike[str]
 
 #: ``llm`` value of :func:`prepare` that builds every LLM preset.
 ALL_LLMS = "all"
+#: ``llm`` value of :func:`prepare` that builds no LLM (the LLM answers from an endpoint).
+NO_LLM = "none"
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,8 +41,8 @@ class PreparedModels:
     vad: Path
     #: The CTranslate2 Whisper directory.
     whisper: Path
-    #: The CTranslate2 LLM directory chosen (``llm`` argument).
-    llm: Path
+    #: The CTranslate2 LLM directory chosen (``llm`` argument); None for ``NO_LLM``.
+    llm: Path | None
     #: Voice name -> Piper ``.onnx`` file (its ``.onnx.json`` lies beside it).
     voices: dict[str, Path]
     #: Every prepared LLM preset -> its directory.
@@ -63,8 +65,9 @@ def prepare(
 
     Args:
         cache_dir: the cache; None means ``$S2S_RT_MODELS`` or the default.
-        llm: an LLM preset (``"default"``, ``"tiny"``), ``"all"``, or the path
-            of an LLM directory of the user's (then no preset is built).
+        llm: an LLM preset (``"default"``, ``"tiny"``), ``"all"``, ``"none"``,
+            or the path of an LLM directory of the user's (then no preset is
+            built).
         progress: called with one human-readable line per step.
         force: rebuild even models that look up to date (after ``verify``
             found a corrupt file).
@@ -213,6 +216,8 @@ def _recipes_for(llm: str) -> list[Recipe]:
         llms = list(LLM_PRESETS.values())
     elif llm in LLM_PRESETS:
         llms = [LLM_PRESETS[llm]]
+    elif llm == NO_LLM:
+        llms = []
     else:
         resolve_llm_dir(llm)  # a directory of the user's: fail early if unusable
         llms = []
@@ -277,10 +282,13 @@ def _prepared(root: Path, manifest: Manifest, llm: str) -> PreparedModels:
         for preset, recipe in LLM_PRESETS.items()
         if component_state(recipe, manifest) is State.READY
     }
+    chosen: Path | None
     if llm == ALL_LLMS:
         chosen = llms["default"]
     elif llm in LLM_PRESETS:
         chosen = llms[llm]
+    elif llm == NO_LLM:
+        chosen = None
     else:
         chosen = resolve_llm_dir(llm)
     return PreparedModels(

@@ -60,6 +60,7 @@ class Dispatcher:
         match ev:
             case ce.InputAudioBufferAppend():
                 samples = await self._decode_audio(ctx, ev)
+                await slot.input_budget.take(samples.nbytes)
                 await slot.vad_q.put(AudioIn(scope, samples))
             case ce.InputAudioBufferCommit():
                 await slot.vad_q.put(BufferCommand(scope, "commit", ev.event_id))

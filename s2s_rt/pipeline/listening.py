@@ -130,25 +130,31 @@ class Listener:
         self.chunk = slot.stack.vad.chunk_samples
 
     async def run(self) -> None:
-        slot = self.slot
         while True:
-            item = await slot.vad_q.get()
-            if isinstance(item, SessionEnd):
-                await slot.stt_q.put(item)
-                continue
-            if item.scope.stale:
-                slot.metrics.dropped_stale.inc(stage="vad")
-                continue
-            ctx = slot.ctx
-            assert ctx is not None
-            if isinstance(item, ResponseRequest):
-                await slot.stt_q.put(item)
-            elif isinstance(item, AudioIn):
+            # One call per item: nothing of a session stays referenced while the stage waits.
+            await self._handle(await self.slot.vad_q.get())
+
+    async def _handle(self, item: Any) -> None:
+        slot = self.slot
+        if isinstance(item, SessionEnd):
+            await slot.stt_q.put(item)
+            return
+        if item.scope.stale:
+            slot.metrics.dropped_stale.inc(stage="vad")
+            return
+        ctx = slot.ctx
+        assert ctx is not None
+        if isinstance(item, ResponseRequest):
+            await slot.stt_q.put(item)
+        elif isinstance(item, AudioIn):
+            try:
                 await self._listen(ctx, item.samples)
-            elif isinstance(item, BufferCommand):
-                await self._buffer_command(ctx, item)
-            elif isinstance(item, SettingsChanged):
-                self._apply_settings(ctx)
+            finally:
+                slot.input_budget.release(item.samples.nbytes)
+        elif isinstance(item, BufferCommand):
+            await self._buffer_command(ctx, item)
+        elif isinstance(item, SettingsChanged):
+            self._apply_settings(ctx)
 
     def _apply_settings(self, ctx: SessionContext) -> None:
         ls = ctx.listening

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from websockets.exceptions import ConnectionClosed
 
+from s2s_rt.budget import ByteBudget
 from s2s_rt.metrics import Metrics
 from s2s_rt.pipeline.work import CloseRequest, Outgoing, SessionEnd, TurnTiming
 from s2s_rt.protocol.errors import ProtocolError
@@ -40,10 +41,14 @@ class Outbox:
         send_timeout_s: how long one send may wait for a client that does not read.
     """
 
-    def __init__(self, index: int, metrics: Metrics, queue_size: int, send_timeout_s: float) -> None:
+    def __init__(
+        self, index: int, metrics: Metrics, queue_size: int, send_timeout_s: float, max_bytes: int = 16 << 20
+    ) -> None:
         self.index = index
         self.metrics = metrics
         self.queue: asyncio.Queue[Any] = asyncio.Queue(queue_size)
+        #: Bytes of encoded events waiting to be sent: a client that reads slower than it asks waits alone.
+        self.budget = ByteBudget("output", max_bytes)
         self.send_timeout_s = send_timeout_s
         self.log_content = False
         #: The socket, session and client address of the session served now.
@@ -71,17 +76,14 @@ class Outbox:
         return Outgoing(scope, event.type, encode_event(event))
 
     async def emit(self, events: list[ServerEvent], scope: Scope) -> None:
-        """Queue events, in order: deltas for as long as ``scope`` is wanted, the rest for the session."""
-        for event in events:
-            await self.queue.put(self._outgoing(event, scope))
+        """Queue events, in order: deltas for as long as ``scope`` is wanted, the rest for the session.
 
-    def emit_now(self, events: list[ServerEvent], scope: Scope) -> bool:
-        """Queue events without waiting; False (and nothing queued) if they do not all fit."""
-        if self.queue.maxsize and self.queue.maxsize - self.queue.qsize() < len(events):
-            return False
+        Waits while the session's queued output is over its byte budget.
+        """
         for event in events:
-            self.queue.put_nowait(self._outgoing(event, scope))
-        return True
+            out = self._outgoing(event, scope)
+            await self.budget.take(len(out.data))
+            await self.queue.put(out)
 
     async def error(self, exc: ProtocolError) -> None:
         """An ``error`` event for the session served now."""
@@ -96,11 +98,18 @@ class Outbox:
         await self.queue.put(CloseRequest(scope, code, reason))
 
     def flush(self) -> int:
-        """Drop everything queued; returns how much."""
+        """Drop every queued event (a session's end marker stays); returns how many."""
         dropped = 0
+        ends = []
         while not self.queue.empty():
-            self.queue.get_nowait()
-            dropped += 1
+            item = self.queue.get_nowait()
+            if isinstance(item, SessionEnd):
+                ends.append(item)  # the slot's teardown waits for it
+            else:
+                dropped += 1
+        for end in ends:
+            self.queue.put_nowait(end)
+        self.budget.reset()
         return dropped
 
     def _turn_done(self, event: ServerEvent) -> None:
@@ -138,25 +147,32 @@ class Outbox:
     async def run(self) -> None:
         """The send loop."""
         while True:
-            item = await self.queue.get()
-            if isinstance(item, SessionEnd):
-                self.on_session_end(item.session_id)
-                continue
-            ws = self.ws
-            if item.scope.stale or ws is None:
-                self.metrics.dropped_stale.inc(stage="send")
-                continue
-            if isinstance(item, CloseRequest):
-                await close_quickly(ws, item.code, item.reason)
-                continue
-            self.sending_since = time.monotonic()
-            try:
-                await ws.send(item.data, text=True)
-            except ConnectionClosed:
-                continue
-            finally:
-                self.sending_since = None
-            self.metrics.events_out.inc(type=item.type)
+            # One call per item: nothing of a session stays referenced while the loop waits.
+            await self._send(await self.queue.get())
+
+    async def _send(self, item: Any) -> None:
+        if isinstance(item, SessionEnd):
+            self.on_session_end(item.session_id)
+            return
+        if isinstance(item, Outgoing):
+            self.budget.release(len(item.data))
+        ws = self.ws
+        if item.scope.stale or ws is None:
+            self.metrics.dropped_stale.inc(stage="send")
+            return
+        if isinstance(item, CloseRequest):
+            await close_quickly(ws, item.code, item.reason)
+            return
+        self.sending_since = time.monotonic()
+        try:
+            await ws.send(item.data, text=True)
+        except ConnectionClosed:
+            # The client is gone: its backlog is dropped at once, not sent into the void.
+            self.flush()
+            return
+        finally:
+            self.sending_since = None
+        self.metrics.events_out.inc(type=item.type)
 
     def stuck_for(self) -> float:
         """Seconds the current send has waited for the client to read (0 when none waits)."""

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import re
 import time
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
 
-from s2s_rt.engines.base import ChatMessage, LLMUsage
+from s2s_rt.engines.base import AsyncLLM, ChatMessage, LLMError, LLMUsage
 from s2s_rt.inference import EngineTimeout
 from s2s_rt.pipeline.work import CallOut, ResponseEnd, ResponseRequest, SessionEnd, Speak, run_scoped
 from s2s_rt.toolcalls import Call as CallPart
@@ -30,18 +32,21 @@ class Responder:
         self.slot = slot
 
     async def run(self) -> None:
-        slot = self.slot
         while True:
-            item = await slot.llm_q.get()
-            if isinstance(item, SessionEnd):
-                await slot.tts_q.put(item)
-                continue
-            if item.scope.stale:
-                slot.metrics.dropped_stale.inc(stage="llm")
-                continue
-            ctx = slot.ctx
-            assert ctx is not None
-            await run_scoped(item.scope, self._generate(ctx, item))
+            # One call per item: nothing of a session stays referenced while the stage waits.
+            await self._handle(await self.slot.llm_q.get())
+
+    async def _handle(self, item: Any) -> None:
+        slot = self.slot
+        if isinstance(item, SessionEnd):
+            await slot.tts_q.put(item)
+            return
+        if item.scope.stale:
+            slot.metrics.dropped_stale.inc(stage="llm")
+            return
+        ctx = slot.ctx
+        assert ctx is not None
+        await run_scoped(item.scope, self._generate(ctx, item))
 
     async def _generate(self, ctx: SessionContext, req: ResponseRequest) -> None:
         slot = self.slot
@@ -61,32 +66,45 @@ class Responder:
             calls: list[str] = []
             splitter = ToolCallFilter()
             try:
-                async for piece in slot.pools["llm"].stream(
-                    functools.partial(
-                        slot.stack.llm.stream,
-                        messages,
-                        max_tokens=r.token_limit,
-                        temperature=r.params.temperature,
-                        should_stop=stale,
-                        usage=usage,
-                        tools=tools,
-                        require_tool=must_call,
+                llm = slot.stack.llm
+                options: dict[str, Any] = {
+                    "max_tokens": r.token_limit,
+                    "temperature": r.params.temperature,
+                    "should_stop": stale,
+                    "usage": usage,
+                    "tools": tools,
+                    "require_tool": must_call,
+                }
+                pieces: contextlib.AbstractAsyncContextManager[AsyncIterator[str]]
+                if isinstance(llm, AsyncLLM):
+                    # A remote model streams on the loop: no thread held, and closing it closes its connection.
+                    pieces = contextlib.aclosing(llm.astream(messages, **options))
+                else:
+                    pieces = contextlib.nullcontext(
+                        slot.pools["llm"].stream(functools.partial(llm.stream, messages, **options))
                     )
-                ):
-                    if scope.stale:
-                        return
-                    timing = slot.outbox.timings.get(r.id)
-                    if timing is not None and timing.first_token is None:
-                        timing.first_token = time.perf_counter()
-                    for part in splitter.feed(piece):
-                        spoke |= await self._say(r, part, clauses, calls)
+                async with pieces as stream:
+                    async for piece in stream:
+                        if scope.stale:
+                            return
+                        timing = slot.outbox.timings.get(r.id)
+                        if timing is not None and timing.first_token is None:
+                            timing.first_token = time.perf_counter()
+                        for part in splitter.feed(piece):
+                            spoke |= await self._say(r, part, clauses, calls)
                 for part in splitter.flush():
                     spoke |= await self._say(r, part, clauses, calls)
             except Exception as exc:
                 log.warning("slot %d: LLM failed: %r", slot.index, exc)
                 if not scope.stale:
                     slot.metrics.turns.inc(status="failed")
-                    code = "llm_timeout" if isinstance(exc, EngineTimeout) else "llm_failed"
+                    code = (
+                        exc.code
+                        if isinstance(exc, LLMError)
+                        else "llm_timeout"
+                        if isinstance(exc, EngineTimeout)
+                        else "llm_failed"
+                    )
                     slot.metrics.errors.inc(code=code)
                     await slot.outbox.emit(
                         session.fail_response(r, code, f"The language model failed: {exc}"), session.scope

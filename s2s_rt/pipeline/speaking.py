@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -32,32 +32,36 @@ class Speaker:
         self._resampling_for: str | None = None
 
     async def run(self) -> None:
-        slot = self.slot
         while True:
-            item = await slot.tts_q.get()
-            if isinstance(item, SessionEnd):
-                await slot.outbox.queue.put(item)
-                continue
-            if item.scope.stale:
-                slot.metrics.dropped_stale.inc(stage="tts")
-                continue
-            ctx = slot.ctx
-            assert ctx is not None
-            session = ctx.session
-            r = item.response
-            if isinstance(item, CallOut):
-                await slot.outbox.emit(r.function_call(item.name, item.arguments), item.scope)
-            elif isinstance(item, ResponseEnd):
-                r.input_tokens, r.output_tokens = item.usage.input_tokens, item.usage.output_tokens
-                events = session.finish_response(r)
-                if events:
-                    slot.metrics.turns.inc(status="completed")
-                ctx.listening.idle_from = ctx.listening.clock
-                await slot.outbox.emit(events, item.scope)
-            elif not r.audio:
-                await slot.outbox.emit(r.text_delta(item.text), item.scope)
-            else:
-                await run_scoped(item.scope, self._speak(ctx, item))
+            # One call per item: nothing of a session stays referenced while the stage waits.
+            await self._handle(await self.slot.tts_q.get())
+
+    async def _handle(self, item: Any) -> None:
+        slot = self.slot
+        if isinstance(item, SessionEnd):
+            self._resampler = self._resampling_for = None
+            await slot.outbox.queue.put(item)
+            return
+        if item.scope.stale:
+            slot.metrics.dropped_stale.inc(stage="tts")
+            return
+        ctx = slot.ctx
+        assert ctx is not None
+        session = ctx.session
+        r = item.response
+        if isinstance(item, CallOut):
+            await slot.outbox.emit(r.function_call(item.name, item.arguments), item.scope)
+        elif isinstance(item, ResponseEnd):
+            r.input_tokens, r.output_tokens = item.usage.input_tokens, item.usage.output_tokens
+            events = session.finish_response(r)
+            if events:
+                slot.metrics.turns.inc(status="completed")
+            ctx.listening.idle_from = ctx.listening.clock
+            await slot.outbox.emit(events, item.scope)
+        elif not r.audio:
+            await slot.outbox.emit(r.text_delta(item.text), item.scope)
+        else:
+            await run_scoped(item.scope, self._speak(ctx, item))
 
     def _resampler_for(self, job: Speak) -> Resampler:
         r = job.response

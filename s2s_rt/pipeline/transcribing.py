@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from s2s_rt.engines.base import PIPELINE_RATE, Transcript
 from s2s_rt.pipeline.work import ResponseRequest, SessionEnd, Transcribe, TurnTiming, run_scoped
@@ -23,21 +23,24 @@ class Transcriber:
         self.slot = slot
 
     async def run(self) -> None:
-        slot = self.slot
         while True:
-            item = await slot.stt_q.get()
-            if isinstance(item, SessionEnd):
-                await slot.llm_q.put(item)
-                continue
-            if item.scope.stale:
-                slot.metrics.dropped_stale.inc(stage="stt")
-                continue
-            if isinstance(item, ResponseRequest):
-                await slot.llm_q.put(item)
-                continue
-            ctx = slot.ctx
-            assert ctx is not None
-            await run_scoped(item.scope, self._transcribe(ctx, item))
+            # One call per item: nothing of a session stays referenced while the stage waits.
+            await self._handle(await self.slot.stt_q.get())
+
+    async def _handle(self, item: Any) -> None:
+        slot = self.slot
+        if isinstance(item, SessionEnd):
+            await slot.llm_q.put(item)
+            return
+        if item.scope.stale:
+            slot.metrics.dropped_stale.inc(stage="stt")
+            return
+        if isinstance(item, ResponseRequest):
+            await slot.llm_q.put(item)
+            return
+        ctx = slot.ctx
+        assert ctx is not None
+        await run_scoped(item.scope, self._transcribe(ctx, item))
 
     async def _transcribe(self, ctx: SessionContext, job: Transcribe) -> None:
         slot = self.slot

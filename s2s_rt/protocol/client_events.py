@@ -221,6 +221,8 @@ def decode_client_event(data: str | bytes) -> ClientEvent:
     except (msgspec.DecodeError, UnicodeDecodeError) as exc:
         # The fast path failed; only now look at the frame loosely to say why.
         raise _classify(data, exc) from None
+    except RecursionError:
+        raise ProtocolError("invalid_json", "The frame is nested too deeply") from None
     if isinstance(event, (SessionUpdate, ResponseCreate, ConversationItemCreate)):
         _nulls_unset(event)
     return event
@@ -250,6 +252,8 @@ def _classify(data: str | bytes, exc: Exception) -> ProtocolError:
         raw = _loose.decode(data)
     except (msgspec.DecodeError, UnicodeDecodeError) as jexc:
         return ProtocolError("invalid_json", f"The frame is not valid JSON: {jexc}")
+    except RecursionError:
+        return ProtocolError("invalid_json", "The frame is nested too deeply")
     if not isinstance(raw, dict):
         return ProtocolError("invalid_event", f"A client event must be a JSON object, not {type(raw).__name__}")
     event_id = raw.get("event_id") if isinstance(raw.get("event_id"), str) else None

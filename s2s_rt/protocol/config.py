@@ -149,19 +149,61 @@ def apply_update(cfg: SessionConfig, ev: ce.SessionUpdate, voices: list[str]) ->
     if turn is not UNSET:
         new["turn_detection"] = None if turn is None else _merge_turn(cfg.turn_detection, turn, fail)
     if isinstance(patch.temperature, (int, float)):
-        if not 0.0 <= patch.temperature <= 2.0:
-            raise fail("invalid_value", "temperature must be between 0 and 2", "temperature")
-        new["temperature"] = float(patch.temperature)
+        new["temperature"] = check_temperature(patch.temperature, fail)
     for name in ("max_response_output_tokens", "max_output_tokens"):
         value = getattr(patch, name)
         if value is not UNSET:
             new["max_output_tokens"] = checked(check_max_tokens, value, fail, name)
-    if patch.tools is not UNSET:
-        new["tools"] = patch.tools
-    if patch.tool_choice is not UNSET:
+    tools = new["tools"] = check_tools(patch.tools, fail) if isinstance(patch.tools, list) else cfg.tools
+    if patch.tool_choice is not UNSET and patch.tool_choice is not None:
+        check_tool_choice(patch.tool_choice, tools, fail)
         new["tool_choice"] = patch.tool_choice
+    elif isinstance(patch.tools, list):
+        check_tool_choice(cfg.tool_choice, tools, fail)
     for key, value in new.items():
         setattr(cfg, key, value)
+
+
+def check_temperature(value: float, fail: Callable[[str, str, str], ProtocolError]) -> float:
+    if not 0.0 <= value <= 2.0:
+        raise fail("invalid_value", "temperature must be between 0 and 2", "temperature")
+    return float(value)
+
+
+def check_tools(tools: list[Any], fail: Callable[[str, str, str], ProtocolError]) -> list[dict[str, Any]]:
+    """Function tools as OpenAI defines them: a name, optionally a description and a JSON-schema object.
+
+    Raises:
+        ProtocolError: a tool of another shape, naming which one and why.
+    """
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict):
+            raise fail("invalid_value", f"{where} must be an object", where)
+        if tool.get("type", "function") != "function":
+            raise fail("invalid_value", f"{where}.type must be 'function'", f"{where}.type")
+        if not isinstance(tool.get("name"), str) or not tool["name"]:
+            raise fail("invalid_value", f"{where}.name must be a non-empty string", f"{where}.name")
+        if not isinstance(tool.get("description", ""), (str, type(None))):
+            raise fail("invalid_value", f"{where}.description must be a string", f"{where}.description")
+        if not isinstance(tool.get("parameters", {}), (dict, type(None))):
+            raise fail("invalid_value", f"{where}.parameters must be a JSON schema object", f"{where}.parameters")
+    return tools
+
+
+def check_tool_choice(choice: Any, tools: list[dict[str, Any]], fail: Callable[[str, str, str], ProtocolError]) -> None:
+    names = {t.get("name") for t in tools}
+    if choice in ("auto", "none", "required"):
+        if choice == "required" and not tools:
+            raise fail("invalid_value", "tool_choice 'required' needs at least one tool", "tool_choice")
+        return
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        function = choice.get("function")
+        name = choice.get("name") or (function.get("name") if isinstance(function, dict) else None)
+        if not isinstance(name, str) or name not in names:
+            raise fail("invalid_value", f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
+        return
+    raise fail("invalid_value", "tool_choice must be auto, none, required or {type: function, name}", "tool_choice")
 
 
 def render(cfg: SessionConfig, dialect: Dialect, session_id: str) -> dict[str, Any]:

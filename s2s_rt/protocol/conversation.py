@@ -64,16 +64,28 @@ def _given(value: object) -> bool:
     return value is not UNSET and value is not None
 
 
+#: What an item costs besides its text (ids, type, status, structure).
+ITEM_OVERHEAD = 256
+
+
 class Conversation:
-    """Ordered items of one session.
+    """Ordered items of one session, bounded in bytes.
+
+    Past ``max_bytes`` the oldest items are dropped (see :meth:`trim`), as
+    OpenAI truncates a conversation that outgrows its context; one item
+    larger than the whole budget is refused.
 
     Args:
         dialect: how content types are named for this client.
+        max_bytes: most bytes of item text, transcripts, audio and arguments kept.
     """
 
-    def __init__(self, dialect: Dialect) -> None:
+    def __init__(self, dialect: Dialect, max_bytes: int = 16 << 20) -> None:
         self.dialect = dialect
         self.id = new_id("conv")
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._sizes: dict[str, int] = {}
         self.items: dict[str, se.Item] = {}
         self.order: list[str] = []
         #: Words heard in user audio items, by item id (the prompt reads these).
@@ -110,7 +122,52 @@ class Conversation:
             prev = previous_item_id
             self.order.insert(self.order.index(previous_item_id) + 1, item.id)
         self.items[item.id] = item
+        self.account(item.id)
         return prev
+
+    def size(self, item: se.Item) -> int:
+        """Bytes ``item`` holds (its strings, what was heard in it, and a fixed overhead)."""
+        n = ITEM_OVERHEAD + len(self.heard.get(item.id, ""))
+        for value in (item.arguments, item.output, item.name, item.call_id):
+            n += len(value or "")
+        for part in item.content or []:
+            for text in (part.text, part.transcript, part.audio):
+                if isinstance(text, str):
+                    n += len(text)
+        return n
+
+    def check_fits(self, item: se.Item, event_id: str | None) -> None:
+        """Raises:
+        ProtocolError: ``conversation_item_too_large`` when one item outgrows the whole budget.
+        """
+        size = self.size(item)
+        if size > self.max_bytes:
+            raise ProtocolError(
+                "conversation_item_too_large",
+                f"The item holds {size} bytes; a conversation holds at most {self.max_bytes}",
+                param="item",
+                event_id=event_id,
+            )
+
+    def account(self, item_id: str) -> None:
+        """Count an item's bytes again (after its text grew or was cut)."""
+        item = self.items.get(item_id)
+        if item is None:
+            return
+        size = self.size(item)
+        self.bytes += size - self._sizes.get(item_id, 0)
+        self._sizes[item_id] = size
+
+    def trim(self, keep: set[str]) -> list[str]:
+        """Drop the oldest items (but those in ``keep``) until the conversation fits; returns their ids."""
+        dropped: list[str] = []
+        for item_id in list(self.order):
+            if self.bytes <= self.max_bytes:
+                break
+            if item_id not in keep:
+                self.delete(item_id)
+                dropped.append(item_id)
+        return dropped
 
     def previous(self, item_id: str) -> str | None:
         i = self.order.index(item_id) if item_id in self.order else 0
@@ -133,6 +190,7 @@ class Conversation:
         return item
 
     def delete(self, item_id: str) -> None:
+        self.bytes -= self._sizes.pop(item_id, 0)
         del self.items[item_id]
         self.order.remove(item_id)
         self.spoken.pop(item_id, None)
@@ -255,3 +313,4 @@ class Conversation:
         part.audio = UNSET
         self.spoken[item.id] = [s for s in segments if s.start_ms < ev.audio_end_ms]
         self.truncated.add(item.id)
+        self.account(item.id)

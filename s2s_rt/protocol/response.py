@@ -273,6 +273,7 @@ class Response:
     def _close_item(self, item: se.Item, status: str) -> list[se.ServerEvent]:
         self._step(Step.CLOSE_ITEM)
         item.status = status
+        self.conversation.account(item.id)
         events: list[se.ServerEvent] = [
             self._ev(
                 se.OutputItemEvent,

@@ -13,7 +13,7 @@ drive it directly.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 from msgspec import UNSET
@@ -27,6 +27,9 @@ from s2s_rt.protocol.config import (
     apply_update,
     check_max_tokens,
     check_modalities,
+    check_temperature,
+    check_tool_choice,
+    check_tools,
     check_voice,
     checked,
     parse_format,
@@ -48,12 +51,14 @@ class Session:
         voices: the voices the TTS offers; the first is the default.
     """
 
-    def __init__(self, dialect: se.Dialect, voices: Iterable[str] = ("default",)) -> None:
+    def __init__(
+        self, dialect: se.Dialect, voices: Iterable[str] = ("default",), *, max_conversation_bytes: int = 16 << 20
+    ) -> None:
         self.dialect = dialect
         self.voices = list(voices) or ["default"]
         self.id = new_id("sess")
         self.config = SessionConfig(voice=self.voices[0])
-        self.conversation = Conversation(dialect)
+        self.conversation = Conversation(dialect, max_conversation_bytes)
         #: Closed when the session ends: all its work, and its responses', is stale then.
         self.scope = Scope(f"session {self.id}")
         #: The active response, if any (at most one).
@@ -150,8 +155,20 @@ class Session:
             ProtocolError: a bad role/content, duplicate id, unknown previous item.
         """
         item = self.conversation.item_from_client(ev.item, ev.event_id)
+        self.conversation.check_fits(item, ev.event_id)
         prev = self.conversation.insert(item, ev.previous_item_id, ev.event_id)
-        return self._added(item, prev)
+        return self._added(item, prev) + self.trim()
+
+    def trim(self) -> list[se.ServerEvent]:
+        """Keep the conversation within its byte budget: drop its oldest items, telling the client.
+
+        The items of the response in progress are never dropped.
+        """
+        keep = {o.id for o in self.response.outputs} if self.response is not None else set()
+        return [
+            self._ev(se.ItemDeleted, "conversation.item.deleted", item_id=item_id)
+            for item_id in self.conversation.trim(keep)
+        ]
 
     def retrieve_item(self, ev: ce.ConversationItemRetrieve) -> list[se.ServerEvent]:
         item = self.conversation.find(ev.item_id, ev.event_id, "retrieve")
@@ -196,6 +213,7 @@ class Session:
         return [
             self._ev(se.BufferCommitted, "input_audio_buffer.committed", previous_item_id=prev, item_id=item_id),
             *self._added(item, prev),
+            *self.trim(),
         ]
 
     @property
@@ -209,11 +227,14 @@ class Session:
         if item is None:  # deleted meanwhile
             return []
         self.conversation.heard[item_id] = text
+        self.conversation.account(item_id)
+        trimmed = self.trim()
         if not self.transcribing:
-            return []
+            return trimmed
         if item.content:
             item.content[0].transcript = text
         return [
+            *trimmed,
             self._ev(
                 se.TranscriptionCompleted,
                 "conversation.item.input_audio_transcription.completed",
@@ -221,7 +242,7 @@ class Session:
                 content_index=0,
                 transcript=text,
                 usage={"type": "duration", "seconds": round(audio_seconds, 3)},
-            )
+            ),
         ]
 
     def transcription_failed(self, item_id: str, message: str) -> list[se.ServerEvent]:
@@ -294,9 +315,9 @@ class Session:
         inputs = None
         if isinstance(p.input, list):
             inputs = [self._input_item(i, event_id) for i in p.input]
-        tools = cfg.tools if not isinstance(p.tools, list) else p.tools
+        tools = cfg.tools if not isinstance(p.tools, list) else check_tools(p.tools, fail)
         tool_choice = cfg.tool_choice if p.tool_choice is UNSET or p.tool_choice is None else p.tool_choice
-        _check_tool_choice(tool_choice, tools, fail)
+        check_tool_choice(tool_choice, tools, fail)
         return ResponseParams(
             in_conversation=conversation == "auto",
             modalities=modalities,
@@ -304,7 +325,11 @@ class Session:
             output_format=fmt,
             instructions=p.instructions if isinstance(p.instructions, str) else cfg.instructions,
             max_output_tokens=max_tokens,
-            temperature=cfg.temperature if not isinstance(p.temperature, (int, float)) else float(p.temperature),
+            temperature=(
+                cfg.temperature
+                if not isinstance(p.temperature, (int, float))
+                else check_temperature(p.temperature, fail)
+            ),
             input_items=inputs,
             metadata=p.metadata if isinstance(p.metadata, dict) else None,
             tools=tools,
@@ -325,7 +350,7 @@ class Session:
         """The response produced everything: its closing events, in order."""
         if self.response is r:
             self.response = None
-        return r.finish()
+        return r.finish() + self.trim()
 
     def cancel_response(
         self, reason: str, response_id: str | None = None, event_id: str | None = None
@@ -393,20 +418,3 @@ class Session:
                 item_id=item_id,
             )
         ]
-
-
-def _check_tool_choice(
-    choice: Any, tools: list[dict[str, Any]], fail: Callable[[str, str, str], ProtocolError]
-) -> None:
-    names = {t.get("name") for t in tools if isinstance(t, dict)}
-    if choice in ("auto", "none", "required"):
-        if choice == "required" and not tools:
-            raise fail("invalid_value", "tool_choice 'required' needs at least one tool", "tool_choice")
-        return
-    if isinstance(choice, dict) and choice.get("type") == "function":
-        function = choice.get("function")
-        name = choice.get("name") or (function.get("name") if isinstance(function, dict) else None)
-        if name not in names:
-            raise fail("invalid_value", f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
-        return
-    raise fail("invalid_value", "tool_choice must be auto, none, required or {type: function, name}", "tool_choice")
