@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 from s2s_rt.budget import ByteBudget
 from s2s_rt.engines.base import Stack
 from s2s_rt.inference import StagePool, VadBatcher
+from s2s_rt.memory import release_freed_memory
 from s2s_rt.metrics import Metrics
 from s2s_rt.pipeline.context import SessionContext
 from s2s_rt.pipeline.dispatch import Dispatcher
@@ -231,6 +232,7 @@ class Slot:
         self.ctx = None
         self.outbox.ws = self.outbox.session = None
         self.outbox.timings.clear()
+        release_freed_memory()
         if self.state is SlotState.DRAINING:
             if self._crash_hold:
                 self._hold_after_crashes()
