@@ -33,6 +33,13 @@ class ByteBudget:
             await self._released.wait()
         self.used += n
 
+    def try_take(self, n: int) -> bool:
+        """Hold ``n`` more bytes if that stays within the limit (or nothing is held); never waits."""
+        if self.used > 0 and self.used + n > self.limit:
+            return False
+        self.used += n
+        return True
+
     def release(self, n: int) -> None:
         self.used = max(0, self.used - n)
         self._released.set()

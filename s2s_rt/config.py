@@ -65,6 +65,16 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: A connection whose events are refused by the rate limit for this many seconds in a row is closed (1008).
     flood_close_s: float = 5.0
 
+    # Listening (load shedding)
+    #: All sessions' new audio is heard in one batch per tick.
+    listen_tick_ms: float = 20.0
+    #: Most seconds of one session's audio heard per tick (50x real time at the defaults).
+    listen_s_per_tick: float = 1.0
+    #: A session whose audio has waited this long to be heard is closed alone (``audio_backlog_exceeded``).
+    max_audio_backlog_s: float = 5.0
+    #: While audio waits this long, no new session is admitted (``/readyz`` 503); again below half of it.
+    shed_after_ms: float = 250.0
+
     # Memory budget per session (MiB); each bound is enforced and shown in /metrics
     #: Encoded events waiting to be sent: past it, the session's producers wait for the client to read.
     max_output_mib: float = 16.0

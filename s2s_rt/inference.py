@@ -2,8 +2,8 @@
 
 Each stage kind (VAD, STT, LLM, TTS) has its own bounded thread pool, shared
 by every slot: a long LLM stream can then never hold up another session's
-VAD decision. :class:`VadBatcher` collects the VAD chunks that all sessions
-have ready at the same moment and scores them in one batched call.
+VAD decision (the listening clock scores all sessions' audio in one call
+per tick: :mod:`s2s_rt.pipeline.listening`).
 """
 
 from __future__ import annotations
@@ -16,9 +16,6 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-import numpy as np
-
-from s2s_rt.engines.base import VAD, Float32Array
 from s2s_rt.metrics import Metrics
 
 T = TypeVar("T")
@@ -165,45 +162,3 @@ class StagePool:
 class _Failure:
     def __init__(self, exc: BaseException) -> None:
         self.exc = exc
-
-
-class VadBatcher:
-    """Scores the VAD chunks of all sessions that are ready together in one call.
-
-    A session's VAD stage awaits :meth:`probability`; requests that arrive
-    while a batch is running form the next batch. Run :meth:`run` as a task
-    owned by the server.
-    """
-
-    def __init__(self, vad: VAD, pool: StagePool) -> None:
-        self.vad = vad
-        self.pool = pool
-        self._pending: list[tuple[Float32Array, Any, asyncio.Future[float]]] = []
-        self._wake = asyncio.Event()
-
-    async def probability(self, chunk: Float32Array, state: Any) -> float:
-        future: asyncio.Future[float] = asyncio.get_running_loop().create_future()
-        self._pending.append((chunk, state, future))
-        self._wake.set()
-        return await future
-
-    async def run(self) -> None:
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            batch, self._pending = self._pending, []
-            batch = [b for b in batch if not b[2].cancelled()]
-            if not batch:
-                continue
-            chunks = np.stack([b[0] for b in batch])
-            states = [b[1] for b in batch]
-            try:
-                probs = await self.pool.call(self.vad.speech_probabilities, chunks, states)
-            except Exception as exc:
-                for _, _, fut in batch:
-                    if not fut.done():
-                        fut.set_exception(exc)
-                continue
-            for (_, _, fut), p in zip(batch, probs, strict=True):
-                if not fut.done():
-                    fut.set_result(float(p))

@@ -31,8 +31,9 @@ from websockets.typing import Subprotocol
 
 from s2s_rt.config import Config
 from s2s_rt.engines.base import Stack
-from s2s_rt.inference import StagePool, VadBatcher
+from s2s_rt.inference import StagePool
 from s2s_rt.metrics import Metrics
+from s2s_rt.pipeline.listening import ListeningClock
 from s2s_rt.pipeline.outbox import close_quickly
 from s2s_rt.pool import Pool
 from s2s_rt.protocol.errors import ProtocolError
@@ -103,6 +104,7 @@ class Server:
         self.metrics = Metrics(self._slot_states, self._overdue_calls, self._held_bytes)
         self.pool: Pool | None = None
         self.pools: dict[str, StagePool] = {}
+        self.clock: ListeningClock | None = None
         self._runner: asyncio.Task[None] | None = None
         self._started = asyncio.Event()
         self._stop = asyncio.Event()
@@ -163,13 +165,21 @@ class Server:
             "llm": StagePool("llm", cfg.stage_workers, self.metrics, cfg.llm_timeout_s),
             "tts": StagePool("tts", cfg.stage_workers, self.metrics, cfg.tts_timeout_s),
         }
-        batcher = VadBatcher(self.stack.vad, self.pools["vad"])
+        clock = self.clock = ListeningClock(
+            self.stack.vad,
+            self.pools["vad"],
+            self.metrics,
+            tick_s=cfg.listen_tick_ms / 1000,
+            listen_s_per_tick=cfg.listen_s_per_tick,
+            max_backlog_s=cfg.max_audio_backlog_s,
+            shed_after_s=cfg.shed_after_ms / 1000,
+        )
         slots = [
             Slot(
                 i,
                 self.stack,
                 self.pools,
-                batcher,
+                clock,
                 self.metrics,
                 queue_size=cfg.queue_size,
                 drain_timeout_s=cfg.drain_deadline_s,
@@ -193,7 +203,7 @@ class Server:
         try:
             async with asyncio.TaskGroup() as tg:
                 tasks += [tg.create_task(s.run(), name=f"slot{s.index}") for s in slots]
-                tasks.append(tg.create_task(batcher.run(), name="vad-batcher"))
+                tasks.append(tg.create_task(clock.run(), name="listening-clock"))
                 tasks.append(tg.create_task(self._watch_loop_lag(), name="loop-lag"))
                 async with serve(
                     self._handle,
@@ -288,10 +298,14 @@ class Server:
             text = f"At most {cfg.max_connections_per_ip} concurrent connections per client address"
             await self._refuse(ws, "too_many_connections", text, 1008)
             return
-        slot = None if self.closing or self.draining else await self._claim()
+        slot = None if self.closing or self.draining or self.overloaded else await self._claim()
         if slot is None:
             if self.closing or self.draining:
                 await self._refuse(ws, "shutting_down", "The server is not taking new sessions", 1013)
+            elif self.overloaded:
+                # Refused before the admitted sessions degrade: their audio is already waiting.
+                text = "The server is at capacity (it is behind on listening); try again later"
+                await self._refuse(ws, "session_limit_reached", text, 1013)
             else:
                 text = f"All {len(self.pool.slots)} sessions are in use; try again later"
                 await self._refuse(ws, "session_limit_reached", text, 1013)
@@ -489,7 +503,7 @@ class Server:
         if path == "/healthz":
             return _response(HTTPStatus.OK, "ok\n")
         if path == "/readyz":
-            free = 0 if self.closing or self.draining else self.pool.free
+            free = 0 if self.closing or self.draining or self.overloaded else self.pool.free
             status = HTTPStatus.OK if free else HTTPStatus.SERVICE_UNAVAILABLE
             return _response(
                 status, f"{'ready' if free else 'not ready'}: {free} of {len(self.pool.slots)} slots free\n"
@@ -566,6 +580,11 @@ class Server:
                 ok |= hmac.compare_digest(candidate.encode(), key.encode())
         return ok
 
+    @property
+    def overloaded(self) -> bool:
+        """Behind on listening: admitting more sessions would make every session worse."""
+        return self.clock is not None and self.clock.overloaded
+
     def drain(self) -> None:
         """Stop taking new sessions (``/readyz`` 503); running sessions carry on."""
         if not self.draining:
@@ -589,7 +608,7 @@ class Server:
             ctx = slot.ctx
             if ctx is not None:
                 held["conversation"] += ctx.session.conversation.bytes
-                held["resampler_cache"] += ctx.resampler.cache_bytes
+                held["resampler_cache"] += ctx.listening.resampler.cache_bytes
         return held
 
     def _overdue_calls(self) -> int:

@@ -2,11 +2,13 @@
 
 A slot wires five stages with bounded queues and supervises them::
 
-    dispatch ─► vad_q ─► listening ─► stt_q ─► transcribing ─► llm_q ─► responding
-                                                                           │
-                          client ◄── send loop ◄── outbox ◄── speaking ◄── tts_q
+    dispatch ─► inbox ─► (listening clock) ─► stt_q ─► transcribing ─► llm_q ─► responding
+                                                                                  │
+                               client ◄── send loop ◄── outbox ◄── speaking ◄── tts_q
 
-The stages (:mod:`s2s_rt.pipeline`) run in one ``asyncio.TaskGroup`` for the
+Listening runs on the process's one :class:`~s2s_rt.pipeline.listening.ListeningClock`,
+which hears every session's audio in batches; the other stages
+(:mod:`s2s_rt.pipeline`) run in one ``asyncio.TaskGroup`` per slot for the
 life of the server. A stage reads only its slot's queue, and only the send
 loop writes to the socket of the session the slot serves now. Work carries
 its scope (:mod:`s2s_rt.scope`); every stage and the send loop drop stale work.
@@ -20,7 +22,8 @@ The slot's lifecycle is one table (:data:`TRANSITIONS`)::
 
 Teardown is three phases: (1) close the session's scope (cancelling the
 work in flight) and flush the queues; (2) put the session's ``SessionEnd``
-at the head of the pipeline; (3) the send loop, on seeing it, marks the slot
+at the head of the pipeline (after listening, which keeps nothing once its
+inbox is emptied); (3) the send loop, on seeing it, marks the slot
 idle. A slot quarantined because its drain was late returns to service when
 that ``SessionEnd`` finally arrives.
 """
@@ -36,17 +39,17 @@ from typing import TYPE_CHECKING, Any
 
 from s2s_rt.budget import ByteBudget
 from s2s_rt.engines.base import Stack
-from s2s_rt.inference import StagePool, VadBatcher
+from s2s_rt.inference import StagePool
 from s2s_rt.memory import release_freed_memory
 from s2s_rt.metrics import Metrics
 from s2s_rt.pipeline.context import SessionContext
 from s2s_rt.pipeline.dispatch import Dispatcher
-from s2s_rt.pipeline.listening import Listener
+from s2s_rt.pipeline.listening import Listener, ListeningClock
 from s2s_rt.pipeline.outbox import Outbox, close_quickly
 from s2s_rt.pipeline.responding import Responder
 from s2s_rt.pipeline.speaking import Speaker
 from s2s_rt.pipeline.transcribing import Transcriber
-from s2s_rt.pipeline.work import SessionEnd, ms_to_samples
+from s2s_rt.pipeline.work import CloseRequest, SessionEnd, ms_to_samples
 from s2s_rt.protocol.errors import ProtocolError
 from s2s_rt.protocol.session import Session
 
@@ -82,7 +85,7 @@ class Slot:
         index: position in the pool.
         stack: the process's shared engines.
         pools: the shared executors per stage kind.
-        vad: the shared VAD batcher.
+        clock: the process's listening clock.
         metrics: where counts and timings go.
         queue_size: bound of every queue between stages.
         drain_timeout_s: teardown deadline before quarantine.
@@ -98,7 +101,7 @@ class Slot:
         index: int,
         stack: Stack,
         pools: dict[str, StagePool],
-        vad: VadBatcher,
+        clock: ListeningClock,
         metrics: Metrics,
         *,
         queue_size: int = 256,
@@ -112,7 +115,7 @@ class Slot:
         self.index = index
         self.stack = stack
         self.pools = pools
-        self.vad = vad
+        self.clock = clock
         self.metrics = metrics
         self.drain_timeout_s = drain_timeout_s
         self.send_timeout_s = send_timeout_s
@@ -121,7 +124,6 @@ class Slot:
         self.ctx: SessionContext | None = None
         self.sessions_served = 0
         self.quarantine_reason: str | None = None
-        self.vad_q: asyncio.Queue[Any] = asyncio.Queue(queue_size)
         self.stt_q: asyncio.Queue[Any] = asyncio.Queue(queue_size)
         self.llm_q: asyncio.Queue[Any] = asyncio.Queue(queue_size)
         self.tts_q: asyncio.Queue[Any] = asyncio.Queue(queue_size)
@@ -131,8 +133,8 @@ class Slot:
         self.outbox.on_session_end = self._session_ended
         self.outbox.on_response_done = self._notify
         self.dispatch = Dispatcher(self)
-        self._stages: tuple[Listener, Transcriber, Responder, Speaker] = (
-            Listener(self, ms_to_samples(max_input_buffer_s * 1000), speculate_after_ms),
+        self.listener = Listener(self, ms_to_samples(max_input_buffer_s * 1000), speculate_after_ms)
+        self._stages: tuple[Transcriber, Responder, Speaker] = (
             Transcriber(self),
             Responder(self),
             Speaker(self),
@@ -183,6 +185,21 @@ class Slot:
     async def error(self, exc: ProtocolError) -> None:
         await self.outbox.error(exc)
 
+    def close_now(self, exc: ProtocolError | None, close_code: int) -> None:
+        """End the session from code that cannot wait (the listening clock): error if it fits, then close."""
+        ctx = self.ctx
+        if ctx is None or ctx.session.scope.stale:
+            return
+        if exc is not None:
+            self.metrics.errors.inc(code=exc.code)
+            self.outbox.emit_nowait([ctx.session.error(exc)], ctx.session.scope)
+        reason = exc.code.replace("_", " ") if exc is not None else "client is not reading its events"
+        # The send loop closes after what is queued; if it cannot take the request, close at once.
+        try:
+            self.outbox.queue.put_nowait(CloseRequest(ctx.session.scope, close_code, reason))
+        except asyncio.QueueFull:
+            self.tg.create_task(close_quickly(ctx.ws, close_code, reason))
+
     async def end_with_error(self, exc: ProtocolError, close_code: int) -> None:
         """Send ``exc`` as an error event, then close the socket with ``close_code``."""
         await self.outbox.error(exc)
@@ -201,7 +218,7 @@ class Slot:
         ctx.session.end()
         self._flush()
         # Phase 2: the sentinel enters at the head and passes every stage.
-        self.vad_q.put_nowait(SessionEnd(ctx.session.id))
+        self.stt_q.put_nowait(SessionEnd(ctx.session.id))
         # Phase 3: the send loop marks the slot idle when the sentinel arrives.
         try:
             async with asyncio.timeout(self.drain_timeout_s):
@@ -215,7 +232,10 @@ class Slot:
     def _flush(self) -> None:
         dropped = self.outbox.flush()
         self.input_budget.reset()
-        for q in (self.vad_q, self.stt_q, self.llm_q, self.tts_q):
+        if self.ctx is not None:
+            dropped += len(self.ctx.listening.inbox)
+            self.ctx.listening.inbox.clear()
+        for q in (self.stt_q, self.llm_q, self.tts_q):
             while not q.empty():
                 q.get_nowait()
                 dropped += 1
@@ -267,8 +287,7 @@ class Slot:
             try:
                 async with asyncio.TaskGroup() as tg:
                     self.tg = tg
-                    listener, transcriber, responder, speaker = self._stages
-                    tg.create_task(listener.run(), name=f"slot{self.index}-vad")
+                    transcriber, responder, speaker = self._stages
                     tg.create_task(transcriber.run(), name=f"slot{self.index}-stt")
                     tg.create_task(responder.run(), name=f"slot{self.index}-llm")
                     tg.create_task(speaker.run(), name=f"slot{self.index}-tts")
@@ -290,6 +309,6 @@ class Slot:
         elif ctx is not None:
             # Draining: the crash may have swallowed the sentinel; send it again.
             self._flush()
-            self.vad_q.put_nowait(SessionEnd(ctx.session.id))
+            self.stt_q.put_nowait(SessionEnd(ctx.session.id))
         elif self._crash_hold and self.state is SlotState.IDLE:
             self._hold_after_crashes()

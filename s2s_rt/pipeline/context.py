@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from s2s_rt.audio import Resampler
-from s2s_rt.engines.base import PIPELINE_RATE
 from s2s_rt.pipeline.listening import ListeningState
 from s2s_rt.protocol.session import Session
 
@@ -16,14 +14,11 @@ if TYPE_CHECKING:
 class SessionContext:
     """A session's socket and state, as the slot's stages see it.
 
-    The receive path owns the input format and its resampler; the VAD stage
-    owns :attr:`listening`.
+    The listening clock alone owns :attr:`listening`.
     """
 
     def __init__(self, ws: ServerConnection, session: Session, vad_state: Any, client: str) -> None:
         self.ws = ws
         self.session = session
         self.client = client
-        self.input_format = session.config.input_format
-        self.resampler = Resampler(self.input_format.rate, PIPELINE_RATE)
-        self.listening = ListeningState(vad_state, session.config.turn_detection)
+        self.listening = ListeningState(vad_state, session.config.turn_detection, session.config.input_format)

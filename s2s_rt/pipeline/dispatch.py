@@ -2,21 +2,15 @@
 
 from __future__ import annotations
 
-import asyncio
+import time
 from typing import TYPE_CHECKING
 
-from s2s_rt.audio import AudioFormat, AudioFormatError, Resampler
-from s2s_rt.engines.base import PIPELINE_RATE, Float32Array
-from s2s_rt.pipeline.work import AudioIn, BufferCommand, ResponseRequest, SettingsChanged, TurnTiming
+from s2s_rt.pipeline.work import BufferCommand, ResponseRequest, SettingsChanged, TurnTiming
 from s2s_rt.protocol import client_events as ce
 from s2s_rt.protocol.errors import ProtocolError
 
 if TYPE_CHECKING:
-    from s2s_rt.pipeline.context import SessionContext
     from s2s_rt.slot import Slot
-
-#: Appends longer than this (base64-decoded bytes) are converted off the loop.
-_LONG_APPEND = 96_000
 
 
 class Dispatcher:
@@ -57,49 +51,42 @@ class Dispatcher:
         assert ctx is not None
         session = ctx.session
         scope = session.scope
+        listener = slot.listener
         match ev:
             case ce.InputAudioBufferAppend():
-                samples = await self._decode_audio(ctx, ev)
-                await slot.input_budget.take(samples.nbytes)
-                await slot.vad_q.put(AudioIn(scope, samples))
+                # Only the raw bytes are kept here; decoding, resampling and the
+                # VAD happen on the listening clock, for all sessions at once.
+                # Never waits: a receive loop that stopped reading would starve pings too.
+                if ctx.listening.closing:
+                    return
+                if not slot.input_budget.try_take(len(ev.audio)):
+                    listener.fall_behind(ctx, ctx.listening.backlog_s(time.monotonic()))
+                    return
+                try:
+                    listener.audio(ctx, ev.audio)
+                except ProtocolError:
+                    slot.input_budget.release(len(ev.audio))
+                    raise
             case ce.InputAudioBufferCommit():
-                await slot.vad_q.put(BufferCommand(scope, "commit", ev.event_id))
+                listener.command(ctx, BufferCommand(scope, "commit", ev.event_id))
             case ce.InputAudioBufferClear():
-                await slot.vad_q.put(BufferCommand(scope, "clear", ev.event_id))
+                listener.command(ctx, BufferCommand(scope, "clear", ev.event_id))
             case ce.SessionUpdate():
                 events = session.handle(ev)
-                fmt = session.config.input_format
-                if fmt != ctx.input_format:
-                    ctx.input_format = fmt
-                    ctx.resampler = Resampler(fmt.rate, PIPELINE_RATE)
                 await slot.outbox.emit(events, scope)
-                # Turn detection changes reach the VAD stage in order with the audio.
-                await slot.vad_q.put(SettingsChanged(scope))
+                # Turn detection changes reach the listener in order with the audio.
+                listener.command(ctx, SettingsChanged(scope))
             case ce.ResponseCreate():
                 events = session.handle(ev)
                 r = session.response
                 assert r is not None
                 slot.outbox.timings[r.id] = TurnTiming()
                 await slot.outbox.emit(events, scope)
-                await slot.vad_q.put(ResponseRequest(r.scope, r))
+                # It travels behind the audio and transcriptions before it.
+                listener.command(ctx, ResponseRequest(r.scope, r))
             case ce.ResponseCancel():
                 events = session.handle(ev)
                 slot.metrics.turns.inc(status="cancelled")
                 await slot.outbox.emit(events, scope)
             case _:
                 await slot.outbox.emit(session.handle(ev), scope)
-
-    async def _decode_audio(self, ctx: SessionContext, ev: ce.InputAudioBufferAppend) -> Float32Array:
-        fmt = ctx.input_format
-        resampler = ctx.resampler
-        try:
-            if len(ev.audio) > _LONG_APPEND:
-                # A long append would hold the loop for a while: convert it off the loop.
-                return await asyncio.to_thread(_convert, resampler, fmt, ev.audio)
-            return _convert(resampler, fmt, ev.audio)
-        except AudioFormatError as exc:
-            raise ProtocolError("invalid_audio_length", str(exc), param="audio") from None
-
-
-def _convert(resampler: Resampler, fmt: AudioFormat, data: bytes) -> Float32Array:
-    return resampler.process(fmt.decode(data))

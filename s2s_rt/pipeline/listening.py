@@ -1,28 +1,41 @@
 """Listening: input audio through the VAD into turns, and when to transcribe ahead.
 
-The VAD stage alone owns a session's listening state (buffer, clock, turn
-detector, speculation): settings changes reach it through its queue, in
-order with the audio, so nothing it reads can change under it during an
-await.
+The receive path only parses a client's frame and puts the raw audio (or a
+buffer command, a settings change, a response request) in its session's
+inbox: no decoding, no task switch per append. One :class:`ListeningClock`
+for the whole process then works on a short clock: it takes the audio that
+every session has in its inbox, decodes, resamples and scores it with the
+VAD in one executor call (all sessions' windows of one step in one batched
+inference), and back on the loop feeds each session's turn detector and
+handles its commands, in the order they came. Only the clock touches a
+session's listening state, so nothing it reads changes under it.
+
+Sessions whose audio waits longer than ``max_backlog_s`` are told
+(``audio_backlog_exceeded``) and closed alone; when the clock itself falls
+behind, the server stops admitting sessions (see :attr:`ListeningClock.overloaded`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from s2s_rt.engines.base import PIPELINE_RATE, Float32Array, Transcript
+from s2s_rt.audio import AudioFormat, AudioFormatError, Resampler
+from s2s_rt.engines.base import PIPELINE_RATE, VAD, Float32Array, Transcript
+from s2s_rt.inference import StagePool
+from s2s_rt.metrics import Metrics
 from s2s_rt.pipeline.work import (
-    AudioIn,
+    AudioBytes,
     BufferCommand,
     ResponseRequest,
-    SessionEnd,
     SettingsChanged,
     Transcribe,
     ms_to_samples,
@@ -100,10 +113,18 @@ class Speculation:
 
 
 class ListeningState:
-    """What the VAD stage keeps about the session it serves."""
+    """What the listening clock keeps about one session. Only the clock touches it."""
 
-    def __init__(self, vad_state: Any, turn_detection: Any) -> None:
+    def __init__(self, vad_state: Any, turn_detection: Any, input_format: AudioFormat) -> None:
         self.vad_state = vad_state
+        #: Raw audio and commands in arrival order, waiting for the clock.
+        self.inbox: collections.deque[Any] = collections.deque()
+        #: Bytes of raw audio in the inbox.
+        self.inbox_bytes = 0
+        #: Closed for falling behind: nothing more is heard.
+        self.closing = False
+        self.format = input_format
+        self.resampler = Resampler(input_format.rate, PIPELINE_RATE)
         self.pending = np.zeros(0, np.float32)
         self.clock = 0  # samples of input audio fed to the VAD so far
         self.buffer = InputBuffer()
@@ -114,14 +135,199 @@ class ListeningState:
         self.speculating = False
         self.idle_from = 0  # sample clock when idle time started counting
 
+    def backlog_s(self, now: float) -> float:
+        """How long the oldest audio not yet heard has waited."""
+        for item in self.inbox:
+            if isinstance(item, AudioBytes):
+                return now - item.received
+        return 0.0
+
+
+@dataclass(slots=True)
+class Heard:
+    """What the worker made of one session's new audio."""
+
+    samples: Float32Array
+    probabilities: Float32Array
+    error: Exception | None = None
+
 
 def _join(chunks: tuple[Float32Array, ...], offset: int) -> Float32Array:
     audio = chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
     return audio[offset:]
 
 
+def hear(vad: VAD, work: Sequence[tuple[ListeningState, list[AudioBytes], bool]]) -> list[Heard]:
+    """Decode, resample and score every session's new audio (runs in the VAD worker thread).
+
+    All sessions' windows of one step go to the VAD in one batched call; a
+    session's own windows are scored in order, since the model carries state
+    from one to the next.
+    """
+    chunk = vad.chunk_samples
+    heard: list[Heard] = []
+    windows: list[Float32Array] = []
+    for ls, segments, score in work:
+        try:
+            parts = []
+            for seg in segments:
+                if seg.format != ls.format:
+                    ls.format = seg.format
+                    ls.resampler = Resampler(seg.format.rate, PIPELINE_RATE)
+                parts.append(ls.resampler.process(seg.format.decode(seg.data)))
+            samples = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.zeros(0, np.float32)
+        except AudioFormatError as exc:  # checked on arrival; a bug if it happens here
+            heard.append(Heard(np.zeros(0, np.float32), np.zeros(0, np.float32), exc))
+            windows.append(np.zeros((0, chunk), np.float32))
+            continue
+        if not score:
+            heard.append(Heard(samples, np.zeros(0, np.float32)))
+            windows.append(np.zeros((0, chunk), np.float32))
+            continue
+        pending = np.concatenate([ls.pending, samples]) if len(ls.pending) else samples
+        n = len(pending) // chunk
+        windows.append(pending[: n * chunk].reshape(n, chunk))
+        ls.pending = pending[n * chunk :]
+        heard.append(Heard(samples, np.zeros(n, np.float32)))
+    steps = max((len(w) for w in windows), default=0)
+    try:
+        for step in range(steps):
+            rows = [i for i, w in enumerate(windows) if len(w) > step]
+            chunks = np.stack([windows[i][step] for i in rows])
+            probs = vad.speech_probabilities(chunks, [work[i][0].vad_state for i in rows])
+            for i, p in zip(rows, probs, strict=True):
+                heard[i].probabilities[step] = p
+    except Exception as exc:
+        # The turns go on without these decisions; each session is told.
+        for h in heard:
+            h.error = h.error or exc
+    return heard
+
+
+class ListeningClock:
+    """Hears every session's audio on a short clock, in one executor call per tick.
+
+    Args:
+        vad: the shared VAD engine.
+        pool: the VAD executor.
+        metrics: where counts go.
+        tick_s: how long audio may wait for the next batch (a batch starts at
+            once when the clock has been idle that long).
+        listen_s_per_tick: most seconds of one session's audio in one batch.
+        max_backlog_s: a session whose audio waits longer is closed alone.
+        shed_after_s: past this backlog of the clock itself, no session is admitted.
+    """
+
+    def __init__(
+        self,
+        vad: VAD,
+        pool: StagePool,
+        metrics: Metrics,
+        *,
+        tick_s: float = 0.02,
+        listen_s_per_tick: float = 1.0,
+        max_backlog_s: float = 5.0,
+        shed_after_s: float = 0.25,
+    ) -> None:
+        self.vad = vad
+        self.pool = pool
+        self.metrics = metrics
+        self.tick_s = tick_s
+        self.listen_s_per_tick = listen_s_per_tick
+        self.max_backlog_s = max_backlog_s
+        self.shed_after_s = shed_after_s
+        self.slots: list[Slot] = []
+        self._ready: set[Slot] = set()
+        self._wake = asyncio.Event()
+        #: True while the clock is too far behind to take more sessions (hysteresis: back at half).
+        self.overloaded = False
+        #: Seconds the oldest audio of any session waited before its batch started, last tick.
+        self.lag_s = 0.0
+
+    def wake(self, slot: Slot) -> None:
+        """``slot`` has something in its inbox."""
+        self._ready.add(slot)
+        self._wake.set()
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        last = 0.0
+        while True:
+            if self.overloaded:
+                # Idle while overloaded: look again soon, so that readiness comes back.
+                try:
+                    async with asyncio.timeout(self.tick_s * 5):
+                        await self._wake.wait()
+                except TimeoutError:
+                    pass
+            else:
+                await self._wake.wait()
+            # Batches form on a short clock: what arrives within a tick shares one call.
+            wait = last + self.tick_s - loop.time()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            self._wake.clear()
+            last = loop.time()
+            await self.tick()
+
+    async def tick(self) -> None:
+        """One batch: every ready session's leading audio, then its commands."""
+        ready, self._ready = self._ready, set()
+        now = time.monotonic()
+        work: list[tuple[Slot, SessionContext, ListeningState, list[AudioBytes], bool]] = []
+        lag = 0.0
+        for slot in ready:
+            ctx = slot.ctx
+            if ctx is None or ctx.session.scope.stale:
+                continue
+            ls = ctx.listening
+            if ls.closing:
+                continue
+            lag = max(lag, ls.backlog_s(now))
+            if ls.backlog_s(now) > self.max_backlog_s:
+                slot.listener.fall_behind(ctx, ls.backlog_s(now))
+                continue
+            # At most listen_s_per_tick of a session's audio per batch: one session's
+            # flood cannot make the batch slow for everyone; its own backlog grows instead.
+            segments: list[AudioBytes] = []
+            heard_s = 0.0
+            while ls.inbox and isinstance(ls.inbox[0], AudioBytes) and heard_s < self.listen_s_per_tick:
+                seg = ls.inbox.popleft()
+                segments.append(seg)
+                heard_s += len(seg.data) / (seg.format.rate * seg.format.bytes_per_sample)
+            work.append((slot, ctx, ls, segments, ls.detector is not None))
+        self._shed(lag)
+        batch = [(ls, segments, score) for _, _, ls, segments, score in work if segments]
+        heard = await self.pool.call(hear, self.vad, batch) if batch else []
+        results = iter(heard)
+        for slot, ctx, ls, segments, _ in work:
+            got = next(results) if segments else None
+            if slot.ctx is not ctx or ctx.session.scope.stale:
+                continue  # the session ended meanwhile
+            if segments:
+                size = sum(len(s.data) for s in segments)
+                ls.inbox_bytes -= size
+                slot.input_budget.release(size)
+            assert got is not None or not segments
+            if got is not None:
+                slot.listener.heard(ctx, got)
+            slot.listener.commands(ctx)
+            if ls.inbox:
+                self.wake(slot)
+
+    def _shed(self, lag: float) -> None:
+        self.lag_s = lag
+        if not self.overloaded and lag > self.shed_after_s:
+            self.overloaded = True
+            self.metrics.errors.inc(code="listening_overloaded")
+            log.warning("listening is %.0f ms behind: not admitting sessions until it catches up", lag * 1000)
+        elif self.overloaded and lag < self.shed_after_s / 2:
+            self.overloaded = False
+            log.info("listening caught up: admitting sessions again")
+
+
 class Listener:
-    """The VAD stage of one slot."""
+    """One slot's listening logic, run by the :class:`ListeningClock` (never awaits)."""
 
     def __init__(self, slot: Slot, max_input_samples: int, speculate_after_ms: int) -> None:
         self.slot = slot
@@ -129,32 +335,133 @@ class Listener:
         self.speculate_after_ms = speculate_after_ms
         self.chunk = slot.stack.vad.chunk_samples
 
-    async def run(self) -> None:
-        while True:
-            # One call per item: nothing of a session stays referenced while the stage waits.
-            await self._handle(await self.slot.vad_q.get())
+    # --- arrival (the receive path) -------------------------------------------
 
-    async def _handle(self, item: Any) -> None:
+    def audio(self, ctx: SessionContext, data: bytes) -> None:
+        """Raw audio from the client, in the format the session has now.
+
+        Raises:
+            ProtocolError: the byte count does not fit the format.
+        """
+        fmt = ctx.session.config.input_format
+        if len(data) % fmt.bytes_per_sample:
+            raise ProtocolError(
+                "invalid_audio_length",
+                f"{fmt.type} audio must have a multiple of {fmt.bytes_per_sample} bytes, got {len(data)}",
+                param="audio",
+            )
+        ls = ctx.listening
+        ls.inbox.append(AudioBytes(ctx.session.scope, data, fmt))
+        ls.inbox_bytes += len(data)
+        self.slot.clock.wake(self.slot)
+
+    def command(self, ctx: SessionContext, item: BufferCommand | SettingsChanged | ResponseRequest) -> None:
+        """A command that must follow the audio before it."""
+        ctx.listening.inbox.append(item)
+        self.slot.clock.wake(self.slot)
+
+    # --- the clock's results ------------------------------------------------------
+
+    def heard(self, ctx: SessionContext, got: Heard) -> None:
         slot = self.slot
-        if isinstance(item, SessionEnd):
-            await slot.stt_q.put(item)
+        ls = ctx.listening
+        if got.error is not None:
+            log.warning("slot %d: VAD failed: %r", slot.index, got.error)
+            self._error(
+                ctx, ProtocolError("vad_failed", f"Voice activity detection failed: {got.error}", type="server_error")
+            )
+        samples = got.samples
+        room = self.max_input_samples - ls.buffer.samples
+        if len(samples) > room:
+            # Keep what fits; refuse the rest.
+            if room > 0:
+                ls.buffer.append(samples[:room])
+                ls.clock += room
+            self._error(
+                ctx,
+                ProtocolError(
+                    "input_audio_buffer_full",
+                    f"The input audio buffer holds at most {self.max_input_samples // PIPELINE_RATE} s;"
+                    " commit or clear it before appending more",
+                    param="audio",
+                ),
+            )
             return
-        if item.scope.stale:
-            slot.metrics.dropped_stale.inc(stage="vad")
+        ls.buffer.append(samples)
+        detector = ls.detector
+        if detector is None:
+            ls.clock += len(samples)
             return
-        ctx = slot.ctx
-        assert ctx is not None
-        if isinstance(item, ResponseRequest):
-            await slot.stt_q.put(item)
-        elif isinstance(item, AudioIn):
-            try:
-                await self._listen(ctx, item.samples)
-            finally:
-                slot.input_budget.release(item.samples.nbytes)
-        elif isinstance(item, BufferCommand):
-            await self._buffer_command(ctx, item)
-        elif isinstance(item, SettingsChanged):
-            self._apply_settings(ctx)
+        chunk = self.chunk
+        for prob in got.probabilities:
+            start = ls.clock
+            ls.clock += chunk
+            turn = detector.feed(float(prob), samples_to_ms(start), samples_to_ms(ls.clock))
+            if isinstance(turn, SpeechStart):
+                self._speech_started(ctx, turn)
+            elif isinstance(turn, SpeechStop):
+                self._speech_stopped(ctx, turn)
+            elif not detector.speaking:
+                self._idle_check(ctx)
+            else:
+                self._speculate(ctx)
+        if not detector.speaking:
+            # Keep only what a coming turn's prefix padding may need.
+            ls.buffer.drop_before(ls.clock - ms_to_samples(detector.settings.prefix_padding_ms) - chunk)
+
+    def commands(self, ctx: SessionContext) -> None:
+        """Handle the commands at the head of the inbox (up to the next audio)."""
+        ls = ctx.listening
+        while ls.inbox and not isinstance(ls.inbox[0], AudioBytes):
+            item = ls.inbox.popleft()
+            if isinstance(item, BufferCommand):
+                self._buffer_command(ctx, item)
+            elif isinstance(item, SettingsChanged):
+                self._apply_settings(ctx)
+            elif isinstance(item, ResponseRequest):
+                if not item.scope.stale:
+                    self._to_stt(ctx, item)
+
+    def fall_behind(self, ctx: SessionContext, backlog_s: float) -> None:
+        """The session's audio waits too long, or too much of it: tell it and close it, alone."""
+        slot = self.slot
+        ls = ctx.listening
+        if ls.closing:
+            return
+        ls.closing = True
+        waiting = ls.inbox_bytes
+        log.warning(
+            "slot %d: %.1f s (%d bytes) of audio not yet heard; closing the session", slot.index, backlog_s, waiting
+        )
+        ls.inbox.clear()
+        slot.input_budget.reset()
+        ls.inbox_bytes = 0
+        exc = ProtocolError(
+            "audio_backlog_exceeded",
+            f"This session's audio is not being heard in time ({backlog_s:.1f} s and {waiting} bytes waiting; at most"
+            f" {slot.clock.max_backlog_s:g} s and {slot.input_budget.limit} bytes); closing it",
+            type="server_error",
+        )
+        slot.close_now(exc, 1013)
+
+    # --- what the results mean ------------------------------------------------------
+
+    def _emit(self, ctx: SessionContext, events: list[ServerEvent]) -> None:
+        if events and not self.slot.outbox.emit_nowait(events, ctx.session.scope):
+            self.slot.close_now(None, 1008)
+
+    def _error(self, ctx: SessionContext, exc: ProtocolError) -> None:
+        self.slot.metrics.errors.inc(code=exc.code)
+        self._emit(ctx, [ctx.session.error(exc)])
+
+    def _to_stt(self, ctx: SessionContext, item: Transcribe | ResponseRequest) -> None:
+        try:
+            self.slot.stt_q.put_nowait(item)
+        except asyncio.QueueFull:
+            self.slot.close_now(
+                ProtocolError("session_backlog_exceeded", "Too much work is waiting for this session; closing it"),
+                1013,
+            )
 
     def _apply_settings(self, ctx: SessionContext) -> None:
         ls = ctx.listening
@@ -167,53 +474,7 @@ class Listener:
         else:
             ls.detector.settings = td
 
-    async def _listen(self, ctx: SessionContext, samples: Float32Array) -> None:
-        slot = self.slot
-        ls = ctx.listening
-        chunk = self.chunk
-        if ls.buffer.samples + len(samples) > self.max_input_samples:
-            await slot.outbox.error(
-                ProtocolError(
-                    "input_audio_buffer_full",
-                    f"The input audio buffer holds at most {self.max_input_samples // PIPELINE_RATE} s;"
-                    " commit or clear it before appending more",
-                    param="audio",
-                )
-            )
-            return
-        ls.buffer.append(samples)
-        detector = ls.detector
-        if detector is None:
-            ls.clock += len(samples)
-            return
-        ls.pending = np.concatenate([ls.pending, samples]) if len(ls.pending) else samples
-        while len(ls.pending) >= chunk:
-            piece, ls.pending = ls.pending[:chunk], ls.pending[chunk:]
-            start = ls.clock
-            ls.clock += chunk
-            try:
-                prob = await slot.vad.probability(piece, ls.vad_state)
-            except Exception as exc:
-                # The turn goes on without this chunk's decision; say so once per failure.
-                log.warning("slot %d: VAD failed: %r", slot.index, exc)
-                await slot.outbox.error(
-                    ProtocolError("vad_failed", f"Voice activity detection failed: {exc}", type="server_error")
-                )
-                prob = 0.0
-            turn = detector.feed(prob, samples_to_ms(start), samples_to_ms(ls.clock))
-            if isinstance(turn, SpeechStart):
-                await self._speech_started(ctx, turn)
-            elif isinstance(turn, SpeechStop):
-                await self._speech_stopped(ctx, turn)
-            elif not detector.speaking:
-                await self._idle_check(ctx)
-            else:
-                self._speculate(ctx)
-        if not detector.speaking:
-            # Keep only what a coming turn's prefix padding may need.
-            ls.buffer.drop_before(ls.clock - ms_to_samples(detector.settings.prefix_padding_ms) - chunk)
-
-    async def _speech_started(self, ctx: SessionContext, turn: SpeechStart) -> None:
+    def _speech_started(self, ctx: SessionContext, turn: SpeechStart) -> None:
         slot = self.slot
         session = ctx.session
         ls = ctx.listening
@@ -225,9 +486,9 @@ class Listener:
             # Barge-in: the answer being spoken is cancelled at once.
             events += session.cancel_response("turn_detected")
             slot.metrics.turns.inc(status="cancelled")
-        await slot.outbox.emit(events, session.scope)
+        self._emit(ctx, events)
 
-    async def _speech_stopped(self, ctx: SessionContext, turn: SpeechStop) -> None:
+    def _speech_stopped(self, ctx: SessionContext, turn: SpeechStop) -> None:
         slot = self.slot
         session = ctx.session
         ls = ctx.listening
@@ -241,11 +502,12 @@ class Listener:
         td = ls.detector.settings
         events = [session.speech_stopped(int(turn.audio_end_ms), item_id)]
         events += session.commit_audio(item_id)
-        await slot.outbox.emit(events, session.scope)
+        self._emit(ctx, events)
         speculation, ls.speculation = ls.speculation, None
         if speculation is not None:
             slot.metrics.speculations.inc(outcome="used")
-        await slot.stt_q.put(
+        self._to_stt(
+            ctx,
             Transcribe(
                 session.scope,
                 item_id,
@@ -253,7 +515,7 @@ class Listener:
                 td.create_response,
                 speech_end,
                 speculation.task if speculation else None,
-            )
+            ),
         )
 
     def _drop_speculation(self, ls: ListeningState) -> None:
@@ -322,8 +584,7 @@ class Listener:
         scope.on_close(task.cancel)
         ls.speculation = Speculation(task, started)
 
-    async def _idle_check(self, ctx: SessionContext) -> None:
-        slot = self.slot
+    def _idle_check(self, ctx: SessionContext) -> None:
         session = ctx.session
         ls = ctx.listening
         td = ls.detector.settings if ls.detector else None
@@ -338,11 +599,10 @@ class Listener:
         ls.idle_from = ls.clock
         events = session.timeout_triggered(start_ms, int(samples_to_ms(ls.clock)), item_id)
         events += session.commit_audio(item_id)
-        await slot.outbox.emit(events, session.scope)
-        await slot.stt_q.put(Transcribe(session.scope, item_id, audio, True, None))
+        self._emit(ctx, events)
+        self._to_stt(ctx, Transcribe(session.scope, item_id, audio, True, None))
 
-    async def _buffer_command(self, ctx: SessionContext, cmd: BufferCommand) -> None:
-        slot = self.slot
+    def _buffer_command(self, ctx: SessionContext, cmd: BufferCommand) -> None:
         session = ctx.session
         ls = ctx.listening
         if cmd.kind == "clear":
@@ -350,16 +610,17 @@ class Listener:
             self._drop_speculation(ls)
             if ls.detector is not None:
                 ls.detector.reset()
-            await slot.outbox.emit([session.buffer_cleared()], session.scope)
+            self._emit(ctx, [session.buffer_cleared()])
             return
         ms = samples_to_ms(ls.buffer.samples)
         if ms < 100:
-            await slot.outbox.error(
+            self._error(
+                ctx,
                 ProtocolError(
                     "input_audio_buffer_commit_empty",
                     f"Cannot commit: the input audio buffer holds {ms:.0f} ms; at least 100 ms is needed",
                     event_id=cmd.event_id,
-                )
+                ),
             )
             return
         item_id = ls.turn_item_id or new_id("item")
@@ -368,5 +629,5 @@ class Listener:
         audio = ls.buffer.take(ls.buffer.start_sample, ls.buffer.end_sample)
         if ls.detector is not None:
             ls.detector.reset()
-        await slot.outbox.emit(session.commit_audio(item_id), session.scope)
-        await slot.stt_q.put(Transcribe(session.scope, item_id, audio, False, time.perf_counter()))
+        self._emit(ctx, session.commit_audio(item_id))
+        self._to_stt(ctx, Transcribe(session.scope, item_id, audio, False, time.perf_counter()))

@@ -85,6 +85,20 @@ class Outbox:
             await self.budget.take(len(out.data))
             await self.queue.put(out)
 
+    def emit_nowait(self, events: list[ServerEvent], scope: Scope) -> bool:
+        """Queue events without waiting (for the listening clock, which serves every session).
+
+        Small control events pass the byte budget; False (and nothing queued)
+        when the queue itself has no room for them all: the client is hopelessly behind.
+        """
+        if self.queue.maxsize and self.queue.maxsize - self.queue.qsize() < len(events):
+            return False
+        for event in events:
+            out = self._outgoing(event, scope)
+            self.budget.used += len(out.data)
+            self.queue.put_nowait(out)
+        return True
+
     async def error(self, exc: ProtocolError) -> None:
         """An ``error`` event for the session served now."""
         session = self.session

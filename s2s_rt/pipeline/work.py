@@ -13,6 +13,7 @@ from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from s2s_rt.audio import AudioFormat
 from s2s_rt.engines.base import PIPELINE_RATE, Float32Array, LLMUsage, Transcript
 from s2s_rt.scope import Scope
 
@@ -45,9 +46,13 @@ def samples_to_ms(n: int) -> float:
 
 
 @dataclass(slots=True)
-class AudioIn:
+class AudioBytes:
+    """Input audio as the client sent it (base64 already undone), with its format and arrival time."""
+
     scope: Scope
-    samples: Float32Array
+    data: bytes
+    format: AudioFormat
+    received: float = field(default_factory=time.monotonic)
 
 
 @dataclass(slots=True)

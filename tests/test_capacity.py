@@ -1,0 +1,122 @@
+"""Graceful refusal instead of collapse: load shedding on the listening backlog.
+
+The listening clock hears every session's audio in batches; when it falls
+behind, the server says "full" before admitted sessions degrade, a session
+whose own audio piles up is closed alone with a clear error, and pings are
+answered whatever audio is waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import threading
+import time
+
+import pytest
+from conftest import RealtimeClient, http_get, live_server, run, silence, tone
+from websockets.asyncio.client import connect
+
+from s2s_rt.engines.fake import EnergyVAD
+
+
+def test_when_listening_falls_behind_new_sessions_are_refused_and_admitted_ones_go_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    slow = threading.Event()
+    original = EnergyVAD.speech_probabilities
+
+    def vad(self, chunks, states):  # type: ignore[no-untyped-def]
+        if slow.is_set():
+            time.sleep(0.15)  # a VAD that cannot keep up
+        return original(self, chunks, states)
+
+    monkeypatch.setattr(EnergyVAD, "speech_probabilities", vad)
+
+    async def scenario() -> None:
+        async with live_server(pool_size=4, shed_after_ms=100) as server:
+            async with RealtimeClient.connect(server) as admitted:
+                await admitted.until("session.created")
+                slow.set()
+                talk = asyncio.create_task(admitted.append_audio(tone(400, 1.0) + silence(0.8), pace_s=0.02))
+
+                async def full() -> bool:
+                    return (await http_get(server, "/readyz"))[0] == 503
+
+                for _ in range(100):
+                    if await full():
+                        break
+                    await asyncio.sleep(0.02)
+                assert await full(), "readiness drops while listening is behind"
+                async with RealtimeClient.connect(server) as late:
+                    refused = await late.recv()
+                    assert refused["error"]["code"] == "session_limit_reached"
+                    assert "capacity" in refused["error"]["message"]
+                await talk
+                slow.clear()
+                # The admitted session's turn is still heard and answered.
+                await admitted.until("input_audio_buffer.speech_stopped", timeout=15)
+                done = await admitted.until("response.done", timeout=15)
+                assert done["response"]["status"] == "completed"
+            for _ in range(100):
+                if (await http_get(server, "/readyz"))[0] == 200:
+                    break
+                await asyncio.sleep(0.05)
+            async with RealtimeClient.connect(server) as again:
+                assert (await again.recv())["type"] == "session.created"
+
+    run(scenario(), timeout=60)
+
+
+def test_a_session_whose_audio_piles_up_is_closed_alone_with_its_error() -> None:
+    async def scenario() -> None:
+        # Each session is heard at real time at most; one that sends far faster falls behind.
+        async with live_server(pool_size=2, listen_s_per_tick=0.02, max_audio_backlog_s=0.5) as server:
+            async with RealtimeClient.connect(server) as calm:
+                await calm.until("session.created")
+                async with RealtimeClient.connect(server) as flood:
+                    await flood.until("session.created")
+                    calm_turn = asyncio.create_task(calm.append_audio(tone(500, 0.6) + silence(0.8), pace_s=0.02))
+                    await flood.append_audio(tone(300, 4.0))  # 4 s of audio at once
+                    err = await flood.until("error", timeout=10)
+                    assert err["error"]["code"] == "audio_backlog_exceeded"
+                    await asyncio.wait_for(flood.ws.wait_closed(), 5)
+                    assert flood.ws.close_code == 1013
+                    await calm_turn
+                    done = await calm.until("response.done", timeout=15)
+                    assert done["response"]["status"] == "completed"
+                    assert not [e for e in calm.events if e["type"] == "error"]
+
+    run(scenario(), timeout=60)
+
+
+def test_pings_are_answered_while_audio_waits_and_a_session_past_its_input_budget_is_closed() -> None:
+    async def scenario() -> None:
+        async with live_server(
+            pool_size=2, listen_s_per_tick=0.02, max_audio_backlog_s=30, max_input_queue_mib=1
+        ) as server:
+            url = f"ws://127.0.0.1:{server.port}/v1/realtime"
+            async with connect(url, max_size=None) as ws:
+                await ws.recv()
+                chunk = json.dumps(
+                    {"type": "input_audio_buffer.append", "audio": base64.b64encode(tone(300, 0.5)).decode()}
+                )
+                for _ in range(8):  # 4 s of audio, heard at real time: it waits
+                    await ws.send(chunk)
+                started = time.monotonic()
+                await asyncio.wait_for(await ws.ping(), 2)
+                assert time.monotonic() - started < 1.0
+                for _ in range(60):  # past the 1 MiB budget of waiting audio
+                    await ws.send(chunk)
+                codes = []
+                try:
+                    async for raw in ws:
+                        e = json.loads(raw)
+                        if e["type"] == "error":
+                            codes.append(e["error"]["code"])
+                except Exception:
+                    pass
+                assert "audio_backlog_exceeded" in codes and ws.close_code == 1013
+
+    run(scenario(), timeout=60)
