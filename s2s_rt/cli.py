@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib
+import os
 import sys
 
 from s2s_rt.config import ConfigError, load_config
@@ -34,8 +35,9 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--voice", dest="voices", action="append", help="an extra Piper voice .onnx; repeatable")
     p.add_argument(
         "--workers",
-        type=int,
-        help="run N servers on ports --port .. --port+N-1 and print their HAProxy lines (see deploy/README.md)",
+        type=worker_count,
+        help="run N servers (auto: one per CPU core) on ports --port .. --port+N-1 and print their HAProxy lines"
+        " (see deploy/README.md)",
     )
     p.add_argument(
         "--drain-timeout", type=float, dest="drain_timeout_s", help="seconds before a stuck slot is quarantined"
@@ -66,6 +68,22 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         const=True,
         help="include what users said and the answers in turn log lines",
     )
+
+
+def worker_count(value: str) -> int:
+    """``--workers``: a number, or ``auto`` for one process per CPU core this process may use."""
+    if value == "auto":
+        try:
+            return len(os.sched_getaffinity(0))
+        except AttributeError:  # not Linux
+            return os.cpu_count() or 1
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or 'auto', not {value!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError("at least one worker")
+    return n
 
 
 #: Subcommands with argument parsers of their own: name -> (module with main(argv), what it does).

@@ -6,6 +6,7 @@ it and its workers are stopped by PID when each test ends, pass or fail.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import functools
@@ -202,3 +203,12 @@ def test_printed_lines_make_a_valid_haproxy_cfg(launcher: Launcher, tmp_path: Pa
     assert HAPROXY is not None
     check = subprocess.run([HAPROXY, "-c", "-f", str(cfg)], capture_output=True, text=True, timeout=10)
     assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_workers_auto_is_one_process_per_core() -> None:
+    from s2s_rt.cli import worker_count
+
+    assert worker_count("auto") == len(os.sched_getaffinity(0))
+    assert worker_count("3") == 3
+    with pytest.raises(argparse.ArgumentTypeError):
+        worker_count("0")
