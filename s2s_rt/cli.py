@@ -7,6 +7,8 @@ import asyncio
 import importlib
 import os
 import sys
+from collections.abc import Coroutine
+from typing import Any
 
 from s2s_rt.config import ConfigError, load_config
 from s2s_rt.logs import setup_logging
@@ -70,6 +72,16 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
 
 
+def run_loop(main: Coroutine[Any, Any, None], kind: str) -> None:
+    """Run ``main`` on the asyncio event loop, or on uvloop's when asked (and installed)."""
+    if kind == "uvloop":
+        import uvloop  # optional: pip install uvloop
+
+        uvloop.run(main)
+    else:
+        asyncio.run(main)
+
+
 def worker_count(value: str) -> int:
     """``--workers``: a number, or ``auto`` for one process per CPU core this process may use."""
     if value == "auto":
@@ -127,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         from s2s_rt.models import ModelError
 
         try:
-            asyncio.run(Server(config).run())
+            run_loop(Server(config).run(), config.event_loop)
         except KeyboardInterrupt:
             pass
         except ModelError as exc:

@@ -65,6 +65,9 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: A connection whose events are refused by the rate limit for this many seconds in a row is closed (1008).
     flood_close_s: float = 5.0
 
+    #: ``asyncio`` (the standard event loop) or ``uvloop`` (needs the ``uvloop`` package).
+    event_loop: str = "asyncio"
+
     # Listening (load shedding)
     #: All sessions' new audio is heard in one batch per tick.
     listen_tick_ms: float = 20.0
@@ -158,6 +161,8 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ConfigError(f"stack must be 'fake' or 'default', not {self.stack!r}")
         if self.llm_url is not None and not self.llm_url.startswith(("http://", "https://")):
             raise ConfigError(f"llm_url must be an http:// or https:// URL, not {self.llm_url!r}")
+        if self.event_loop not in ("asyncio", "uvloop"):
+            raise ConfigError(f"event_loop must be 'asyncio' or 'uvloop', not {self.event_loop!r}")
         if min(self.max_output_mib, self.max_input_queue_mib, self.max_conversation_mib) <= 0:
             raise ConfigError("max_output_mib, max_input_queue_mib and max_conversation_mib must be positive")
         for proxy in self.trusted_proxies:
