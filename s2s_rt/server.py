@@ -18,6 +18,7 @@ import json
 import logging
 import signal
 import time
+import urllib.parse
 from collections.abc import Sequence
 from http import HTTPStatus
 from pathlib import Path
@@ -318,7 +319,12 @@ class Server:
         reason = "client closed"
         try:
             dialect = BETA if _wants_beta(ws.request) else GA
-            session = Session(dialect, self.stack.tts.voices, max_conversation_bytes=_mib(cfg.max_conversation_mib))
+            session = Session(
+                dialect,
+                self.stack.tts.voices,
+                max_conversation_bytes=_mib(cfg.max_conversation_mib),
+                transcription_only=_wants_transcription(ws.request),
+            )
             self.metrics.sessions_total.inc()
             await slot.attach(ws, session, client)
             log.info(
@@ -646,6 +652,14 @@ def _wants_beta(request: Request | None) -> bool:
         return True
     offered = ",".join(request.headers.get_all("Sec-WebSocket-Protocol"))
     return BETA_SUBPROTOCOL in [p.strip() for p in offered.split(",")]
+
+
+def _wants_transcription(request: Request | None) -> bool:
+    """``?intent=transcription`` on the URL: a transcription session (as OpenAI's)."""
+    if request is None or "?" not in request.path:
+        return False
+    query = urllib.parse.parse_qs(request.path.split("?", 1)[1])
+    return "transcription" in query.get("intent", [])
 
 
 def _is_loopback(connection: ServerConnection) -> bool:

@@ -71,7 +71,7 @@ class Dispatcher:
                 listener.command(ctx, BufferCommand(scope, "commit", ev.event_id))
             case ce.InputAudioBufferClear():
                 listener.command(ctx, BufferCommand(scope, "clear", ev.event_id))
-            case ce.SessionUpdate():
+            case ce.SessionUpdate() | ce.TranscriptionSessionUpdate():
                 events = session.handle(ev)
                 await slot.outbox.emit(events, scope)
                 # Turn detection changes reach the listener in order with the audio.

@@ -512,7 +512,7 @@ class Listener:
                 session.scope,
                 item_id,
                 audio,
-                td.create_response,
+                td.create_response and not session.transcription_only,
                 speech_end,
                 speculation.task if speculation else None,
             ),
@@ -600,7 +600,7 @@ class Listener:
         events = session.timeout_triggered(start_ms, int(samples_to_ms(ls.clock)), item_id)
         events += session.commit_audio(item_id)
         self._emit(ctx, events)
-        self._to_stt(ctx, Transcribe(session.scope, item_id, audio, True, None))
+        self._to_stt(ctx, Transcribe(session.scope, item_id, audio, not session.transcription_only, None))
 
     def _buffer_command(self, ctx: SessionContext, cmd: BufferCommand) -> None:
         session = ctx.session

@@ -139,6 +139,12 @@ class SessionUpdate(_Event, tag="session.update"):
     session: SessionIn
 
 
+class TranscriptionSessionUpdate(_Event, tag="transcription_session.update"):
+    """Beta: configure a transcription session (same fields as ``session.update``'s, where they apply)."""
+
+    session: SessionIn
+
+
 class InputAudioBufferAppend(_Event, tag="input_audio_buffer.append"):
     audio: bytes
 
@@ -180,6 +186,7 @@ class ResponseCancel(_Event, tag="response.cancel"):
 
 ClientEvent = Union[  # noqa: UP007 - a runtime Union msgspec can read __args__ from
     SessionUpdate,
+    TranscriptionSessionUpdate,
     InputAudioBufferAppend,
     InputAudioBufferCommit,
     InputAudioBufferClear,
@@ -223,7 +230,7 @@ def decode_client_event(data: str | bytes) -> ClientEvent:
         raise _classify(data, exc) from None
     except RecursionError:
         raise ProtocolError("invalid_json", "The frame is nested too deeply") from None
-    if isinstance(event, (SessionUpdate, ResponseCreate, ConversationItemCreate)):
+    if isinstance(event, (SessionUpdate, TranscriptionSessionUpdate, ResponseCreate, ConversationItemCreate)):
         _nulls_unset(event)
     return event
 

@@ -55,6 +55,8 @@ class Transcription:
 
 @dataclass(slots=True)
 class SessionConfig:
+    #: ``realtime`` (a conversation) or ``transcription`` (live captions: every turn transcribed, never answered).
+    kind: str = "realtime"
     model: str = "s2s-rt"
     instructions: str = (
         "You are a helpful voice assistant. Answer briefly, in one to three short"
@@ -106,8 +108,12 @@ def apply_update(cfg: SessionConfig, ev: ce.SessionUpdate, voices: list[str]) ->
     def fail(code: str, message: str, param: str) -> ProtocolError:
         return ProtocolError(code, message, param=f"session.{param}", event_id=eid)
 
-    if patch.type is not UNSET and patch.type not in ("realtime", "transcription"):
-        raise fail("invalid_value", f"session.type must be 'realtime', not {patch.type!r}", "type")
+    if patch.type is not UNSET and patch.type is not None:
+        if patch.type not in ("realtime", "transcription"):
+            raise fail(
+                "invalid_value", f"session.type must be 'realtime' or 'transcription', not {patch.type!r}", "type"
+            )
+        new["kind"] = patch.type
     if patch.model is not UNSET:
         new["model"] = patch.model
     if patch.instructions is not UNSET:
@@ -160,6 +166,8 @@ def apply_update(cfg: SessionConfig, ev: ce.SessionUpdate, voices: list[str]) ->
         new["tool_choice"] = patch.tool_choice
     elif isinstance(patch.tools, list):
         check_tool_choice(cfg.tool_choice, tools, fail)
+    if new.get("kind", cfg.kind) == "transcription" and new.get("transcription", cfg.transcription) is None:
+        new["transcription"] = Transcription()  # a transcription session always transcribes
     for key, value in new.items():
         setattr(cfg, key, value)
 
@@ -236,6 +244,8 @@ def render(cfg: SessionConfig, dialect: Dialect, session_id: str) -> dict[str, A
         "tools": cfg.tools,
         "tool_choice": cfg.tool_choice,
     }
+    if cfg.kind == "transcription":
+        return render_transcription(cfg, dialect, session_id, tr, td)
     if dialect.beta:
         return common | {
             "temperature": cfg.temperature,
@@ -253,14 +263,46 @@ def render(cfg: SessionConfig, dialect: Dialect, session_id: str) -> dict[str, A
         "output_modalities": cfg.output_modalities,
         "audio": {
             "input": {
-                "format": _render_format(cfg.input_format),
+                "format": render_format(cfg.input_format),
                 "transcription": tr,
                 "turn_detection": td,
                 "noise_reduction": None,
             },
-            "output": {"format": _render_format(cfg.output_format), "voice": cfg.voice, "speed": 1.0},
+            "output": {"format": render_format(cfg.output_format), "voice": cfg.voice, "speed": 1.0},
         },
         "max_output_tokens": cfg.max_output_tokens,
+    }
+
+
+def render_transcription(
+    cfg: SessionConfig, dialect: Dialect, session_id: str, tr: dict[str, Any] | None, td: dict[str, Any] | None
+) -> dict[str, Any]:
+    """A transcription session, as GA's ``session.*`` or beta's ``transcription_session.updated`` shows it."""
+    if dialect.beta:
+        beta_td = None
+        if td is not None:
+            beta_td = {k: td[k] for k in ("type", "threshold", "prefix_padding_ms", "silence_duration_ms") if k in td}
+        return {
+            # No ephemeral keys are issued here; the type requires the field.
+            "client_secret": {"value": "", "expires_at": 0},
+            "input_audio_format": cfg.input_format.beta_name,
+            "input_audio_transcription": tr,
+            "modalities": ["text"],
+            "turn_detection": beta_td,
+        }
+    return {
+        "id": session_id,
+        "object": "realtime.transcription_session",
+        "type": "transcription",
+        "audio": {
+            "input": {
+                "format": render_format(cfg.input_format),
+                "transcription": tr,
+                "turn_detection": td,
+                "noise_reduction": None,
+            }
+        },
+        "include": None,
     }
 
 
@@ -270,7 +312,7 @@ def parse_format(fmt: ce.AudioFormatIn | str) -> AudioFormat:
     return AudioFormat.parse(fmt.type, None if fmt.rate is UNSET else fmt.rate)
 
 
-def _render_format(fmt: AudioFormat) -> dict[str, Any]:
+def render_format(fmt: AudioFormat) -> dict[str, Any]:
     return {"type": fmt.type, "rate": fmt.rate} if fmt.type == "audio/pcm" else {"type": fmt.type}
 
 

@@ -24,6 +24,7 @@ from s2s_rt.protocol import client_events as ce
 from s2s_rt.protocol import server_events as se
 from s2s_rt.protocol.config import (
     SessionConfig,
+    Transcription,
     apply_update,
     check_max_tokens,
     check_modalities,
@@ -52,12 +53,20 @@ class Session:
     """
 
     def __init__(
-        self, dialect: se.Dialect, voices: Iterable[str] = ("default",), *, max_conversation_bytes: int = 16 << 20
+        self,
+        dialect: se.Dialect,
+        voices: Iterable[str] = ("default",),
+        *,
+        max_conversation_bytes: int = 16 << 20,
+        transcription_only: bool = False,
     ) -> None:
         self.dialect = dialect
         self.voices = list(voices) or ["default"]
         self.id = new_id("sess")
         self.config = SessionConfig(voice=self.voices[0])
+        if transcription_only:
+            self.config.kind = "transcription"
+            self.config.transcription = Transcription()
         self.conversation = Conversation(dialect, max_conversation_bytes)
         #: Closed when the session ends: all its work, and its responses', is stale then.
         self.scope = Scope(f"session {self.id}")
@@ -80,10 +89,20 @@ class Session:
             ),
         )
 
+    @property
+    def transcription_only(self) -> bool:
+        """A transcription session: every turn is transcribed, none is answered."""
+        return self.config.kind == "transcription"
+
+    def _session_event(self, ga_name: str) -> se.ServerEvent:
+        if self.transcription_only and self.dialect.beta:
+            ga_name = ga_name.replace("session.", "transcription_session.")
+        return self._ev(se.SessionEvent, ga_name, session=self.render())
+
     def created_events(self) -> list[se.ServerEvent]:
         """``session.created`` and ``conversation.created``, sent on connect."""
         return [
-            self._ev(se.SessionEvent, "session.created", session=self.render()),
+            self._session_event("session.created"),
             self._ev(
                 se.ConversationCreated,
                 "conversation.created",
@@ -107,6 +126,8 @@ class Session:
         match ev:
             case ce.SessionUpdate():
                 return self.update(ev)
+            case ce.TranscriptionSessionUpdate():
+                return self.update_transcription(ev)
             case ce.ConversationItemCreate():
                 return self.create_item(ev)
             case ce.ConversationItemRetrieve():
@@ -135,7 +156,17 @@ class Session:
             ProtocolError: an unsupported format, voice, modality or value.
         """
         apply_update(self.config, ev, self.voices)
-        return [self._ev(se.SessionEvent, "session.updated", session=self.render())]
+        return [self._session_event("session.updated")]
+
+    def update_transcription(self, ev: ce.TranscriptionSessionUpdate) -> list[se.ServerEvent]:
+        """Beta ``transcription_session.update``: this becomes (or stays) a transcription session.
+
+        Raises:
+            ProtocolError: an unsupported format or value.
+        """
+        ev.session.type = "transcription"
+        apply_update(self.config, ce.SessionUpdate(session=ev.session, event_id=ev.event_id), self.voices)
+        return [self._session_event("session.updated")]
 
     # --- conversation items -------------------------------------------
 
@@ -235,6 +266,7 @@ class Session:
             item.content[0].transcript = text
         return [
             *trimmed,
+            *self._transcription_deltas(item_id, text),
             self._ev(
                 se.TranscriptionCompleted,
                 "conversation.item.input_audio_transcription.completed",
@@ -243,6 +275,21 @@ class Session:
                 transcript=text,
                 usage={"type": "duration", "seconds": round(audio_seconds, 3)},
             ),
+        ]
+
+    def _transcription_deltas(self, item_id: str, text: str) -> list[se.ServerEvent]:
+        """The transcript as streamed deltas, a word each (a client may show them as they come)."""
+        pieces = [w if i == 0 else " " + w for i, w in enumerate(text.split(" "))]
+        return [
+            self._ev(
+                se.TranscriptionDelta,
+                "conversation.item.input_audio_transcription.delta",
+                item_id=item_id,
+                content_index=0,
+                delta=piece,
+            )
+            for piece in pieces
+            if piece.strip()
         ]
 
     def transcription_failed(self, item_id: str, message: str) -> list[se.ServerEvent]:
@@ -266,6 +313,13 @@ class Session:
         Raises:
             ProtocolError: a response is already active, or a bad parameter.
         """
+        if self.transcription_only:
+            raise ProtocolError(
+                "invalid_request_error",
+                "A transcription session transcribes what it hears and never answers; response.create is not"
+                " available in it",
+                event_id=event_id,
+            )
         if self.response is not None:
             raise ProtocolError(
                 "conversation_already_has_active_response",
