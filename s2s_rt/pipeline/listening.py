@@ -83,13 +83,22 @@ class InputBuffer:
         return tuple(self.chunks), max(0, sample - self.start_sample)
 
     def drop_before(self, sample: int) -> None:
+        """Forget audio before ``sample``: whole chunks are let go, the first kept one is sliced (no copy)."""
         cut = sample - self.start_sample
         if cut <= 0:
             return
-        rest = self.audio()[cut:]
-        self.chunks = [rest] if len(rest) else []
-        self.samples = len(rest)
-        self.start_sample = sample
+        cut = min(cut, self.samples)
+        chunks = self.chunks
+        dropped = 0
+        i = 0
+        while i < len(chunks) and dropped + len(chunks[i]) <= cut:
+            dropped += len(chunks[i])
+            i += 1
+        del chunks[:i]
+        if cut > dropped:
+            chunks[0] = chunks[0][cut - dropped :]
+        self.samples -= cut
+        self.start_sample += cut
 
     def take(self, start: int, end: int) -> Float32Array:
         """Audio in [start, end) (session sample clock); drops everything before ``end``."""
