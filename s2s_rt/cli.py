@@ -25,7 +25,7 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--stack", choices=["default", "fake"], help="engines: real models (default), or fake ones for tests"
     )
     p.add_argument("--device", help="auto (default), cpu, cuda or cuda:N")
-    p.add_argument("--llm", help="LLM preset (default, tiny) or a CTranslate2 model directory")
+    p.add_argument("--llm", help="LLM preset (default, fast, best; tiny = fast) or a CTranslate2 model directory")
     p.add_argument(
         "--llm-url",
         dest="llm_url",
@@ -35,6 +35,12 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--llm-model", dest="llm_model", help="the model to ask --llm-url for (default: the first listed)")
     p.add_argument("--stt-model", dest="stt_model", help="a CTranslate2 Whisper directory")
     p.add_argument("--voice", dest="voices", action="append", help="an extra Piper voice .onnx; repeatable")
+    p.add_argument(
+        "--language",
+        dest="languages",
+        action="append",
+        help="a language the server hears and answers in (en, de, ...); repeatable; default: the voices' languages",
+    )
     p.add_argument(
         "--workers",
         type=worker_count,

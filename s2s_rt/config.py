@@ -92,7 +92,8 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stack: str = "default"
     #: ``auto`` (CUDA when it really works, else CPU), ``cpu``, ``cuda`` or ``cuda:N``.
     device: str = "auto"
-    #: LLM preset (``default``: Qwen2.5-Coder-0.5B-Instruct, ``tiny``: SmolLM2-135M) or a CTranslate2 model directory.
+    #: LLM preset (``default``: Qwen2.5-Coder-0.5B-Instruct; ``fast`` or ``tiny``: SmolLM2-135M; ``best``:
+    #: Qwen2.5-Coder-1.5B-Instruct, optional) or a CTranslate2 model directory.
     llm: str = "default"
     #: An OpenAI-compatible chat completions endpoint (``http://HOST:PORT/v1``) that answers
     #: instead of the in-process LLM (``llm`` is then not loaded).
@@ -105,6 +106,13 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stt_model: str | None = None
     #: Extra Piper voices (``.onnx`` files with their ``.onnx.json`` beside them).
     voices: list[str] = []
+    #: Languages the server hears and answers in (ISO 639-1 codes such as ``en``, ``de``): speech in a
+    #: session without a transcription language is transcribed as the likeliest of these. Empty: the
+    #: languages of the voices (the server can speak no other).
+    languages: list[str] = []
+    #: The local LLM samples at the session's temperature times this: small models answer best near
+    #: greedy (0.8, the Realtime default, becomes 0.2; 0 is always greedy). Remote LLMs get it unscaled.
+    llm_temperature_scale: float = 0.25
     #: The model cache (``$S2S_RT_MODELS``; default ``~/.cache/s2s-rt/models``).
     models: str | None = None
     #: Transcribe a turn once its closing silence has lasted this long, before

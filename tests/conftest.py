@@ -24,6 +24,7 @@ from conformance import validate_server_event
 from websockets.asyncio.client import ClientConnection, connect
 
 from s2s_rt import Config, Server
+from s2s_rt.models import PreparedModels
 from s2s_rt.wer import word_error_rate, words  # noqa: F401 - shared with the test modules
 
 T = TypeVar("T")
@@ -58,6 +59,17 @@ def shared_models_root() -> Path:
     root = Path(os.environ.get(CACHE_ENV) or cache_root())
     prepare(root, llm="all", progress=lambda line: None)
     return root
+
+
+@pytest.fixture(scope="session")
+def default_models() -> PreparedModels:
+    """The default stack's models from the shared cache (built on first use); skips the test if they cannot be."""
+    from s2s_rt.models import ModelError, ensure_prepared
+
+    try:
+        return ensure_prepared(progress=lambda _line: None)
+    except ModelError as exc:
+        pytest.skip(f"default models unavailable: {exc}")
 
 
 def tone(freq: float, seconds: float, rate: int = 24_000, level: float = 0.3) -> bytes:

@@ -159,11 +159,14 @@ class TTS(Protocol):
     #: Names accepted as ``voice``; the first one is the default.
     voices: Sequence[str]
 
-    def synthesize(self, text: str, *, voice: str | None, should_stop: StopCheck) -> Iterator[Float32Array]:
+    def synthesize(
+        self, text: str, *, voice: str | None, should_stop: StopCheck, speed: float = 1.0
+    ) -> Iterator[Float32Array]:
         """Yield float32 mono audio at ``sample_rate`` for ``text``.
 
         May yield several pieces (e.g. one per sentence); checks
-        ``should_stop`` between them.
+        ``should_stop`` between them. ``speed`` is the speaking rate (1.0
+        the voice's own; the Realtime API allows 0.25-1.5).
         """
         ...
 

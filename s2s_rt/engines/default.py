@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TypeVar
 
 from s2s_rt.engines.base import LLM, Stack
 from s2s_rt.engines.device import resolve_device
-from s2s_rt.engines.piper import PiperTTS
+from s2s_rt.engines.piper import PiperTTS, voice_languages
 from s2s_rt.engines.silero import SileroVAD
 from s2s_rt.engines.whisper import WhisperSTT
 
@@ -28,6 +28,8 @@ def load_default_stack(
     llm_threads: int = 1,
     tts_threads: int = 1,
     vad_threads: int = 1,
+    languages: Sequence[str] = (),
+    llm_temperature_scale: float = 1.0,
 ) -> Stack:
     """Load each of the four engines once, for every slot of the process.
 
@@ -43,6 +45,12 @@ def load_default_stack(
         llm_threads: threads one LLM generation may use.
         tts_threads: threads one sentence's synthesis may use.
         vad_threads: threads one VAD batch may use.
+        languages: the languages the server hears (ISO 639-1 codes): speech
+            without a session language is transcribed as the most likely
+            of these. Empty: the languages of the voices, since the server
+            can answer only in those.
+        llm_temperature_scale: multiplies every answer's temperature for
+            the local LLM (see :class:`~s2s_rt.engines.llm.CT2ChatLLM`).
         llm: an LLM engine made elsewhere (a remote endpoint's) instead of
             loading ``llm_dir``; the caller describes it.
 
@@ -70,6 +78,7 @@ def load_default_stack(
         load_seconds[what] = time.perf_counter() - start
         return engine
 
+    served = list(languages) or voice_languages(voices)
     vad = timed("VAD", lambda: SileroVAD(vad_model, providers=providers, intra_threads=vad_threads))
     stt = timed(
         "STT",
@@ -79,6 +88,7 @@ def load_default_stack(
             device_index=index,
             compute_type=choice.ct2_compute_type(),
             intra_threads=stt_threads,
+            languages=served,
         ),
     )
     llm_lines = []
@@ -99,6 +109,8 @@ def load_default_stack(
                 device=kind,
                 compute_type=choice.ct2_compute_type(quantized=True),
                 intra_threads=llm_threads,
+                temperature_scale=llm_temperature_scale,
+                cached_system_prompts=_default_instructions(),
             ),
         )
         llm_lines.append(f"{local.describe()}; loaded in {load_seconds['LLM']:.2f} s")
@@ -112,3 +124,10 @@ def load_default_stack(
         f"TTS: {len(tts.voices)} voice(s) loaded in {load_seconds['TTS']:.2f} s",
     ]
     return Stack(name="default", vad=vad, stt=stt, llm=llm, tts=tts, description=description)
+
+
+def _default_instructions() -> tuple[str, ...]:
+    """The instructions of sessions whose client gives none: the LLM keeps its state after them."""
+    from s2s_rt.spoken_answer import ANSWER_EXAMPLES, DEFAULT_INSTRUCTIONS
+
+    return (DEFAULT_INSTRUCTIONS, f"{DEFAULT_INSTRUCTIONS}\n\n{ANSWER_EXAMPLES}")

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from s2s_rt.engines.base import ChatMessage, LLMUsage, StopCheck
+from s2s_rt.engines.prompt_cache import StaticPrefixes
 from s2s_rt.models.errors import PREPARE_COMMAND, ModelError
 from s2s_rt.toolcalls import chat_tool
 
@@ -38,6 +39,8 @@ SAMPLING_TOP_P = 0.95
 DEFAULT_CONTEXT_TOKENS = 4096
 
 _REPLACEMENT_CHAR = "\ufffd"
+#: A user turn after a system prompt, to find where the system prompt's tokens end.
+_ANY_USER = ChatMessage("user", "Hello")
 
 
 # --- tokenizers ----------------------------------------------------------------
@@ -123,51 +126,81 @@ class ChatPrompt:
     pinned: int
 
 
-class ChatML:
-    """The ChatML chat format (Qwen2, SmolLM2 and many others).
+class ChatFormat:
+    """A chat model's turn markup, rendering a conversation as token ids.
 
-    ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message, then
-    ``<|im_start|>assistant\\n``, as Qwen2.5's template writes it:
+    What every format shares, as Qwen2.5's template does it:
 
     - without a system message, the template's own default one (if any)
-      comes first;
-    - offered tools are described in the system turn in Qwen2.5's words
+      comes first; a format without a system role opens the first user
+      turn with the system text instead;
+    - offered tools are described in the system text in Qwen2.5's words
       (the "Hermes" convention), for templates without a tools section too;
       the model calls one by writing ``<tool_call>{json}</tool_call>``;
     - consecutive ``tool`` messages (function results) form one user turn of
       ``<tool_response>`` blocks;
     - a required call is begun in the prompt: the answer opens with
       ``<tool_call>``, so the model can only continue with a call.
+
+    Markup tokens are inserted by id, never read from text; a subclass says
+    how one turn and the answer's opening are written.
+
+    Args:
+        tokenizer: the model's tokenizer.
+        default_system: the template's own system prompt, if any.
+        begin: ids that start every prompt (the BOS token, for models that
+            want it).
     """
 
-    START, END = "<|im_start|>", "<|im_end|>"
+    #: Name, for messages.
+    NAME = ""
+    #: Strings of a Jinja chat template that identify the format.
+    MARKERS: tuple[str, ...] = ()
+    #: Control tokens the vocabulary must have.
+    REQUIRED: tuple[str, ...] = ()
+    #: The token that ends a turn.
+    END = ""
+    #: False: the format has no system role (Gemma, Mistral).
+    SYSTEM_ROLE = True
 
-    def __init__(self, tokenizer: _Tokenizer, default_system: str | None) -> None:
-        start, end = tokenizer.control_id(self.START), tokenizer.control_id(self.END)
-        if start is None or end is None:
-            raise ModelError("the tokenizer lacks the ChatML tokens <|im_start|>/<|im_end|>")
+    def __init__(self, tokenizer: _Tokenizer, default_system: str | None = None, begin: Sequence[int] = ()) -> None:
+        missing = [token for token in self.REQUIRED if tokenizer.control_id(token) is None]
+        if missing:
+            known = ", ".join(chat.NAME for chat in _CHAT_FORMATS)
+            raise ModelError(
+                f"the tokenizer lacks the {self.NAME} tokens {', '.join(missing)} "
+                f"(s2s-rt supports these chat formats: {known})"
+            )
         self._tokenizer = tokenizer
-        self._start, self.end_id = start, end
-        self._newline = tokenizer.encode_text("\n")
+        end = tokenizer.control_id(self.END)
+        assert end is not None, self.END  # END is one of REQUIRED
+        self.end_id = end
         self.default_system = default_system
+        self._begin = list(begin)
 
-    @classmethod
-    def from_template(cls, template: str | None, tokenizer: _Tokenizer, where: Path) -> ChatML:
-        """Recognise a Jinja chat template as ChatML, or a vocabulary as ChatML's.
+    @staticmethod
+    def from_template(
+        template: str | None, tokenizer: _Tokenizer, where: Path, begin: Sequence[int] = ()
+    ) -> ChatFormat:
+        """Recognise the chat format of a Jinja chat template, or else of a vocabulary.
 
         Raises:
-            ModelError: if the template is of another format (Llama 3,
-                Gemma…) and the tokenizer has no ChatML markers either.
+            ModelError: if the template is of no known format and the
+                vocabulary has no known format's markers either.
         """
-        if template and cls.START in template:
-            return cls(tokenizer, _default_system_prompt(template))
-        if tokenizer.control_id(cls.START) is not None and tokenizer.control_id(cls.END) is not None:
-            return cls(tokenizer, None)
-        described = "has no chat template" if not template else "uses a chat format other than ChatML"
-        raise ModelError(
-            f"{where} {described}; s2s-rt supports ChatML chat models "
-            "(the tokenizer must have <|im_start|> and <|im_end|>)"
-        )
+        for chat in _CHAT_FORMATS:
+            if template and any(marker in template for marker in chat.MARKERS):
+                return chat.for_template(template, tokenizer, begin)
+        for chat in _CHAT_FORMATS:
+            if all(tokenizer.control_id(token) is not None for token in chat.REQUIRED):
+                return chat(tokenizer, None, begin)
+        described = "has no chat template" if not template else "uses a chat format s2s-rt does not know"
+        known = ", ".join(chat.NAME for chat in _CHAT_FORMATS)
+        raise ModelError(f"{where} {described}; s2s-rt supports these chat formats: {known}")
+
+    @classmethod
+    def for_template(cls, template: str, tokenizer: _Tokenizer, begin: Sequence[int]) -> ChatFormat:
+        return cls(tokenizer, None, begin)
 
     def encode(
         self,
@@ -190,25 +223,160 @@ class ChatML:
             system = self.default_system
         if tools:
             system = (system or "") + _tools_section(tools)
-        turns = [] if system is None else [self._turn("system", system)]
+        pinned: list[list[int]] = [self._begin] if self._begin else []
+        if system is not None and self.SYSTEM_ROLE:
+            pinned.append(self.turn("system", system))
+        turns: list[list[int]] = []
         i = 0
         while i < len(messages):
-            if messages[i].role != "tool":
-                turns.append(self._turn(messages[i].role, messages[i].content))
-                i += 1
-                continue
-            results = []
-            while i < len(messages) and messages[i].role == "tool":
-                results.append(f"\n<tool_response>\n{messages[i].content}\n</tool_response>")
-                i += 1
-            turns.append(self._turn("user", "".join(results), separator=""))
-        opening = "assistant\n" + (TOOL_CALL_OPEN + "\n" if tools and require_tool else "")
-        turns.append([self._start, *self._tokenizer.encode_text(opening)])
-        return ChatPrompt(turns, pinned=0 if system is None else 1)
+            role, content = messages[i].role, messages[i].content
+            i += 1
+            if role == "tool":
+                results = [content]
+                while i < len(messages) and messages[i].role == "tool":
+                    results.append(messages[i].content)
+                    i += 1
+                role, content = "user", "\n".join(f"<tool_response>\n{r}\n</tool_response>" for r in results)
+            if system is not None and not self.SYSTEM_ROLE and role == "user" and not turns:
+                content = f"{system}\n\n{content}"
+            turns.append(self.turn(role, content))
+        turns.append(self.opening(TOOL_CALL_OPEN + "\n" if tools and require_tool else ""))
+        return ChatPrompt([*pinned, *turns], pinned=len(pinned))
 
-    def _turn(self, role: str, content: str, separator: str = "\n") -> list[int]:
-        text = self._tokenizer.encode_text(f"{role}{separator}{content}")
-        return [self._start, *text, self.end_id, *self._newline]
+    def turn(self, role: str, content: str) -> list[int]:
+        """One message as ids."""
+        raise NotImplementedError
+
+    def opening(self, then: str) -> list[int]:
+        """The start of the answer, followed by the text ``then``."""
+        raise NotImplementedError
+
+    def _mark(self, token: str) -> list[int]:
+        """A markup token by id (as text where the vocabulary lacks it: Mistral v0.1's [INST])."""
+        token_id = self._tokenizer.control_id(token)
+        return [token_id] if token_id is not None else self._tokenizer.encode_text(token)
+
+    def _text(self, text: str) -> list[int]:
+        return self._tokenizer.encode_text(text) if text else []
+
+
+class ChatML(ChatFormat):
+    """ChatML (Qwen2/3, SmolLM2 and many others): ``<|im_start|>{role}\\n{content}<|im_end|>\\n``.
+
+    Qwen3 thinks aloud unless told not to; its answer opens with an empty
+    ``<think></think>`` block, as its template does for ``enable_thinking=False``:
+    a voice must not read its reasoning out.
+    """
+
+    NAME = "ChatML"
+    MARKERS = ("<|im_start|>",)
+    REQUIRED = ("<|im_start|>", "<|im_end|>")
+    END = "<|im_end|>"
+
+    def __init__(
+        self,
+        tokenizer: _Tokenizer,
+        default_system: str | None = None,
+        begin: Sequence[int] = (),
+        *,
+        no_thinking: bool = False,
+    ) -> None:
+        super().__init__(tokenizer, default_system, begin)
+        self._start = self._mark("<|im_start|>")
+        self._newline = tokenizer.encode_text("\n")
+        self._answer = "assistant\n" + ("<think>\n\n</think>\n\n" if no_thinking else "")
+
+    @classmethod
+    def for_template(cls, template: str, tokenizer: _Tokenizer, begin: Sequence[int]) -> ChatFormat:
+        return cls(tokenizer, _default_system_prompt(template), begin, no_thinking="enable_thinking" in template)
+
+    def turn(self, role: str, content: str) -> list[int]:
+        return [*self._start, *self._text(f"{role}\n{content}"), self.end_id, *self._newline]
+
+    def opening(self, then: str) -> list[int]:
+        return [*self._start, *self._text(self._answer + then)]
+
+
+class Llama3Chat(ChatFormat):
+    """Llama 3.x: ``<|start_header_id|>{role}<|end_header_id|>\\n\\n{content}<|eot_id|>``."""
+
+    NAME = "Llama 3"
+    MARKERS = ("<|start_header_id|>",)
+    REQUIRED = ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
+    END = "<|eot_id|>"
+
+    def turn(self, role: str, content: str) -> list[int]:
+        return [*self._header(role, content.strip()), self.end_id]
+
+    def opening(self, then: str) -> list[int]:
+        return self._header("assistant", then)
+
+    def _header(self, role: str, then: str) -> list[int]:
+        start, end = self._mark("<|start_header_id|>"), self._mark("<|end_header_id|>")
+        return [*start, *self._text(role), *end, *self._text("\n\n" + then)]
+
+
+class GemmaChat(ChatFormat):
+    """Gemma: ``<start_of_turn>{user|model}\\n{content}<end_of_turn>\\n``, no system role."""
+
+    NAME = "Gemma"
+    MARKERS = ("<start_of_turn>",)
+    REQUIRED = ("<start_of_turn>", "<end_of_turn>")
+    END = "<end_of_turn>"
+    SYSTEM_ROLE = False
+
+    def turn(self, role: str, content: str) -> list[int]:
+        role = "model" if role == "assistant" else role
+        return [
+            *self._mark("<start_of_turn>"),
+            *self._text(f"{role}\n{content.strip()}"),
+            self.end_id,
+            *self._text("\n"),
+        ]
+
+    def opening(self, then: str) -> list[int]:
+        return [*self._mark("<start_of_turn>"), *self._text("model\n" + then)]
+
+
+class Phi3Chat(ChatFormat):
+    """Phi-3: ``<|{role}|>\\n{content}<|end|>\\n``.
+
+    Phi-3's markup tokens swallow the whitespace after them (``rstrip`` in
+    its tokenizer, and in llama.cpp's), so the newlines never reach the model.
+    """
+
+    NAME = "Phi-3"
+    MARKERS = ("<|assistant|>",)
+    REQUIRED = ("<|user|>", "<|assistant|>", "<|end|>")
+    END = "<|end|>"
+
+    def turn(self, role: str, content: str) -> list[int]:
+        return [*self._mark(f"<|{role}|>"), *self._text(content.strip()), self.end_id]
+
+    def opening(self, then: str) -> list[int]:
+        return [*self._mark("<|assistant|>"), *self._text(then)]
+
+
+class MistralChat(ChatFormat):
+    """Mistral: ``[INST] {user}[/INST] {answer}</s>``, no system role."""
+
+    NAME = "Mistral"
+    MARKERS = ("[INST]",)
+    REQUIRED = ("</s>",)
+    END = "</s>"
+    SYSTEM_ROLE = False
+
+    def turn(self, role: str, content: str) -> list[int]:
+        if role == "assistant":
+            return [*self._text(content.strip()), self.end_id]
+        return [*self._mark("[INST]"), *self._text(content.strip()), *self._mark("[/INST]")]
+
+    def opening(self, then: str) -> list[int]:
+        return self._text(then)
+
+
+#: Tried in this order, by template and then by vocabulary.
+_CHAT_FORMATS: tuple[type[ChatFormat], ...] = (ChatML, Llama3Chat, GemmaChat, Phi3Chat, MistralChat)
 
 
 def _tools_section(tools: Sequence[dict[str, Any]]) -> str:
@@ -241,11 +409,13 @@ class _CallFraming:
     """Puts ``<tool_call>`` tags around a call the model wrote without them.
 
     Small models offered tools often answer a call as bare JSON
-    (``{"name": "get_weather", "arguments": {…}}``), in a code fence, or in
-    bold; the server finds calls by their tags. An answer that starts like
-    JSON (or is a required call, begun in the prompt) is held back to its
-    end and, if it holds a JSON object with a ``name``, sent as one tagged
-    call; any other answer streams through untouched.
+    (``{"name": "get_weather", "arguments": {…}}``), in a code fence, in
+    bold, or in tags of their own (``<tools>``); the server finds calls by
+    their tags. An answer that starts like JSON or markup (or is a required
+    call, begun in the prompt) is held back to its end and, if it holds a
+    JSON object with a ``name`` (closing braces the model forgot are
+    added), sent as one tagged call; any other answer streams through
+    untouched.
     """
 
     def __init__(self, required: bool) -> None:
@@ -264,7 +434,7 @@ class _CallFraming:
         start = "".join(self._held).lstrip()
         if not start:
             return ""
-        if start[0] in "{`":
+        if start[0] in "{`<":
             self._holding = True
             return ""
         self._passing = True
@@ -275,6 +445,8 @@ class _CallFraming:
         if not self._holding:
             return self._release()
         text = self._release()
+        if TOOL_CALL_OPEN in text:
+            return text  # tagged already
         call = _json_object(text)
         if call is not None and "name" in call[0]:
             return f"{TOOL_CALL_OPEN}\n{call[1]}\n{TOOL_CALL_CLOSE}"
@@ -288,19 +460,44 @@ class _CallFraming:
 
 
 def _json_object(text: str) -> tuple[dict[str, Any], str] | None:
-    """Return the first JSON object in ``text`` and its source, if any."""
+    """Return the first JSON object in ``text`` and its source, if any.
+
+    An object the text leaves open (a small model's call often lacks its
+    last brace, or ends it with a stray character) is closed.
+    """
     decoder = json.JSONDecoder()
     start = text.find("{")
     while start >= 0:
         try:
             value, end = decoder.raw_decode(text, start)
         except ValueError:
-            start = text.find("{", start + 1)
-            continue
+            source = _closed(re.sub(r"[^\w\]}\"]+$", "", text[start:].rstrip().removesuffix("```")))
+            try:
+                value = json.loads(source)
+            except ValueError:
+                start = text.find("{", start + 1)
+                continue
+            return (value, source) if isinstance(value, dict) else None
         if isinstance(value, dict):
             return value, text[start:end]
         start = text.find("{", end)
     return None
+
+
+def _closed(text: str) -> str:
+    """``text`` with the brackets it leaves open closed (strings are skipped)."""
+    opened: list[str] = []
+    in_string = escaped = False
+    for char in text:
+        if in_string:
+            escaped, in_string = (False, True) if escaped else (char == "\\", char != '"')
+        elif char == '"':
+            in_string = True
+        elif char in "{[":
+            opened.append("}" if char == "{" else "]")
+        elif char in "}]" and opened:
+            opened.pop()
+    return text + ('"' if in_string else "") + "".join(reversed(opened))
 
 
 # --- incremental detokenisation ------------------------------------------------
@@ -353,6 +550,16 @@ class CT2ChatLLM:
         max_context_tokens: prompt plus answer budget; None takes the
             model's ``model_max_length``, at most 4096.
         repetition_penalty: > 1 discourages repeating tokens.
+        temperature_scale: multiplies the temperature each answer asks for.
+            Small models answer worse the more they sample: Qwen2.5-Coder-0.5B
+            got 32 of the evaluation's 52 questions right at the Realtime
+            API's default 0.8 and 34 greedily (BENCHMARKS.md, "Answers");
+            0.25 turns 0.8 into 0.2, where it answers as well as greedily
+            and still varies.
+        cached_system_prompts: system prompts whose model state is kept after
+            their first answer, so later answers skip reading them again (see
+            :mod:`s2s_rt.engines.prompt_cache`); the server's default
+            instructions, never a client's.
 
     Raises:
         ModelError: if a model file is missing, corrupt, or of an
@@ -370,6 +577,8 @@ class CT2ChatLLM:
         intra_threads: int = 1,
         max_context_tokens: int | None = None,
         repetition_penalty: float = 1.0,
+        temperature_scale: float = 1.0,
+        cached_system_prompts: Sequence[str] = (),
     ) -> None:
         import ctranslate2
 
@@ -381,12 +590,24 @@ class CT2ChatLLM:
         self.device = device
         self._tokenizer = _load_tokenizer(model_dir)
         tokenizer_config = _read_json(model_dir / "tokenizer_config.json")
-        self._chat = ChatML.from_template(tokenizer_config.get("chat_template"), self._tokenizer, model_dir)
+        self._chat = ChatFormat.from_template(
+            tokenizer_config.get("chat_template"),
+            self._tokenizer,
+            model_dir,
+            _begin_ids(tokenizer_config, self._tokenizer),
+        )
         self._vocabulary = _read_vocabulary(model_dir)
         self._end_ids = self._stop_ids(tokenizer_config)
         model_max = int(tokenizer_config.get("model_max_length") or DEFAULT_CONTEXT_TOKENS)
         self.max_context_tokens = max_context_tokens or min(model_max, DEFAULT_CONTEXT_TOKENS)
         self._repetition_penalty = repetition_penalty
+        self.temperature_scale = temperature_scale
+        self._static = StaticPrefixes(
+            lambda text: [
+                i for turn in self._chat.encode([ChatMessage("system", text), _ANY_USER]).turns for i in turn
+            ],
+            cached_system_prompts,
+        )
         try:
             self._generator: ctranslate2.Generator | None = ctranslate2.Generator(
                 str(model_dir),
@@ -437,7 +658,8 @@ class CT2ChatLLM:
             messages: the conversation, oldest first; the oldest non-system
                 turns are left out when it does not fit the context.
             max_tokens: most tokens to generate.
-            temperature: <= 0.01 decodes greedily; above, samples.
+            temperature: scaled by ``temperature_scale``, then <= 0.01 decodes
+                greedily; above, samples.
             should_stop: checked between tokens; True ends the answer within
                 one token (generation stops in CTranslate2 too).
             usage: receives input tokens before the first piece, and output
@@ -456,9 +678,12 @@ class CT2ChatLLM:
         usage.output_tokens = 0
         if max_tokens <= 0 or should_stop():
             return
+        temperature *= self.temperature_scale
         greedy = temperature <= GREEDY_TEMPERATURE
+        static, prompt = self._static.split(prompt)
         steps = generator.generate_tokens(
             [self._vocabulary[i] for i in prompt],
+            static_prompt=[self._vocabulary[i] for i in static] or None,
             max_length=max_tokens,
             sampling_topk=1 if greedy else SAMPLING_TOP_K,
             sampling_topp=1.0 if greedy else SAMPLING_TOP_P,
@@ -551,6 +776,17 @@ def _release_freed_memory() -> None:
         libc.malloc_trim(0)
     except (OSError, AttributeError):  # not glibc (macOS, Windows, musl)
         pass
+
+
+def _begin_ids(tokenizer_config: dict[str, Any], tokenizer: _Tokenizer) -> list[int]:
+    """The BOS token, for models that start every prompt with it (Gemma, Llama 3)."""
+    token = tokenizer_config.get("bos_token")
+    if isinstance(token, dict):  # tokenizer_config's AddedToken form
+        token = token.get("content")
+    if not tokenizer_config.get("add_bos_token") or not isinstance(token, str):
+        return []
+    token_id = tokenizer.control_id(token)
+    return [] if token_id is None else [token_id]
 
 
 def _default_compute_type(ctranslate2: Any, device: str) -> str:

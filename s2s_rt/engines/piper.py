@@ -14,13 +14,17 @@ import onnxruntime
 from s2s_rt.audio import resample
 from s2s_rt.engines.base import Float32Array, StopCheck
 from s2s_rt.engines.device import CPU_PROVIDER, OnnxProviders, session_options
+from s2s_rt.engines.languages import language_code
 from s2s_rt.engines.phonemes import EspeakPhonemizer, espeak_phonemizer
+from s2s_rt.speech_text import speakable
 
 #: Piper's control symbols: begin and end of an utterance, and the pad that
 #: separates phonemes.
 BOS, EOS, PAD = "^", "$", "_"
 #: Peak level of each synthesised sentence.
 OUTPUT_PEAK = 0.9
+#: Speaking rates a voice accepts, as the Realtime API's ``audio.output.speed``.
+MIN_SPEED, MAX_SPEED = 0.25, 1.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +33,8 @@ class VoiceConfig:
 
     sample_rate: int
     espeak_voice: str
+    #: ISO 639-1 code of the voice's language (``en``).
+    language: str
     phoneme_id_map: Mapping[str, Sequence[int]]
     #: Phoneme substitutions applied before ids (usually empty).
     phoneme_map: Mapping[str, Sequence[str]]
@@ -48,13 +54,20 @@ class VoiceConfig:
         if config.get("phoneme_type", "espeak") != "espeak":
             raise ValueError(f"{path}: phoneme_type {config['phoneme_type']!r} is not supported")
         inference = config.get("inference", {})
+        espeak_voice = str(config["espeak"]["voice"])
+        language = config.get("language")
+        family = None
+        if isinstance(language, dict):
+            family = language.get("family") or language.get("code")
         id_map = config["phoneme_id_map"]
         for symbol in (BOS, EOS, PAD):
             if symbol not in id_map:
                 raise ValueError(f"{path}: phoneme_id_map lacks {symbol!r}")
         return cls(
             sample_rate=int(config["audio"]["sample_rate"]),
-            espeak_voice=str(config["espeak"]["voice"]),
+            espeak_voice=espeak_voice,
+            # Older voice configs have no language section; their espeak voice names it.
+            language=language_code(str(family or espeak_voice)),
             phoneme_id_map=id_map,
             phoneme_map=config.get("phoneme_map") or {},
             noise_scale=float(inference.get("noise_scale", 0.667)),
@@ -95,12 +108,17 @@ class _Voice:
             dtype=np.float32,
         )
 
-    def speak(self, phoneme_ids: list[int]) -> Float32Array:
+    def speak(self, phoneme_ids: list[int], speed: float = 1.0) -> Float32Array:
         ids = np.array([phoneme_ids], dtype=np.int64)
+        scales = self.scales
+        if speed != 1.0:
+            # VITS's length scale stretches every phoneme: a shorter one speaks faster.
+            scales = scales.copy()
+            scales[1] /= min(max(speed, MIN_SPEED), MAX_SPEED)
         feeds = {
             "input": ids,
             "input_lengths": np.array([ids.shape[1]], dtype=np.int64),
-            "scales": self.scales,
+            "scales": scales,
         }
         if self.multi_speaker:
             feeds["sid"] = np.zeros(1, dtype=np.int64)  # the voice's first speaker
@@ -143,17 +161,30 @@ class PiperTTS:
         self.sample_rate: int = self._voices[self.voices[0]].config.sample_rate
         self.providers: list[str] = self._voices[self.voices[0]].session.get_providers()
         self._phonemizer = phonemizer or espeak_phonemizer()
+        #: Each voice's language, by voice name.
+        self.languages: Mapping[str, str] = {name: v.config.language for name, v in self._voices.items()}
 
     def synthesize(
-        self, text: str, *, voice: str | None = None, should_stop: StopCheck = lambda: False
+        self,
+        text: str,
+        *,
+        voice: str | None = None,
+        should_stop: StopCheck = lambda: False,
+        speed: float = 1.0,
     ) -> Iterator[Float32Array]:
         """Yield float32 mono audio at ``sample_rate``, one piece per sentence.
+
+        The text is said as a person would read it aloud: markdown is left
+        out and, for English voices, numbers, units and symbols are spoken
+        as words (see :func:`s2s_rt.speech_text.speakable`).
 
         Args:
             text: what to say.
             voice: one of :attr:`voices`; None means the default (first) one.
             should_stop: checked before each sentence; synthesis ends early
                 once it returns True.
+            speed: speaking rate, 1.0 the voice's own; kept within 0.25-1.5
+                (the Realtime API's ``audio.output.speed``).
 
         Raises:
             ValueError: ``voice`` is not one of :attr:`voices`.
@@ -161,11 +192,11 @@ class PiperTTS:
         chosen = self._voice(voice)
         if should_stop():
             return
-        sentences = self._phonemizer.phonemize(text, chosen.config.espeak_voice)
+        sentences = self._phonemizer.phonemize(speakable(text, chosen.config.language), chosen.config.espeak_voice)
         for phonemes in sentences:
             if should_stop():
                 return
-            audio = chosen.speak(chosen.config.phoneme_ids(phonemes))
+            audio = chosen.speak(chosen.config.phoneme_ids(phonemes), speed)
             if chosen.config.sample_rate != self.sample_rate:
                 audio = resample(audio, chosen.config.sample_rate, self.sample_rate)
             yield _normalize(audio)
@@ -185,6 +216,17 @@ class PiperTTS:
             f"espeak {v.config.espeak_voice!r}) on {', '.join(v.session.get_providers())}"
             for name, v in self._voices.items()
         ]
+
+
+def voice_languages(voices: Mapping[str, Path]) -> list[str]:
+    """The languages of Piper voices (from their ``.onnx.json``), in order, without repeats.
+
+    Raises:
+        ValueError: a voice config is unusable.
+        FileNotFoundError: a voice config is missing.
+    """
+    configs = (VoiceConfig.load(Path(path).with_name(Path(path).name + ".json")) for path in voices.values())
+    return list(dict.fromkeys(config.language for config in configs))
 
 
 def _normalize(audio: Float32Array) -> Float32Array:

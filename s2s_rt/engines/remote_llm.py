@@ -68,9 +68,7 @@ class RemoteChatLLM:
         self._api_key = api_key
         # An httpx connection belongs to the event loop that opened it: one
         # client (one pool) per loop, shared by every session on it.
-        self._clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncOpenAI] = (
-            weakref.WeakKeyDictionary()
-        )
+        self._clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncOpenAI] = weakref.WeakKeyDictionary()
 
     def describe(self) -> str:
         """One line for the start-up log."""
@@ -181,10 +179,14 @@ class RemoteChatLLM:
                     return
         finally:
             loop.run_until_complete(pieces.aclose())
-            client = self._clients.pop(loop, None)
-            if client is not None:
-                loop.run_until_complete(client.close())
+            loop.run_until_complete(self.aclose())
             loop.close()
+
+    async def aclose(self) -> None:
+        """Close the running event loop's connections to the endpoint (a later answer opens new ones)."""
+        client = self._clients.pop(asyncio.get_running_loop(), None)
+        if client is not None:
+            await client.close()
 
     def _client(self) -> AsyncOpenAI:
         loop = asyncio.get_running_loop()
@@ -311,7 +313,8 @@ def chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
             if message.role != "assistant":
                 out.append({"role": message.role, "content": message.content})
                 continue
-            target = turn = {"role": "assistant", "content": None}
+            # "" rather than null: some servers (llama-cpp-python) refuse a null content.
+            target = turn = {"role": "assistant", "content": ""}
             answered = 0
             out.append(turn)
         text, calls = _split_calls(message.content)
@@ -374,8 +377,9 @@ class _StreamedCalls:
             function = fragment.function
             if function is None:
                 continue
-            if function.name:
-                call.name += function.name
+            # The name comes whole, in the first fragment (llama-cpp-python repeats it in every one).
+            if function.name and not call.name:
+                call.name = function.name
             if function.arguments:
                 call.arguments.append(function.arguments)
 

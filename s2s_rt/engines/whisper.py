@@ -11,6 +11,7 @@ import numpy as np
 import tokenizers
 
 from s2s_rt.engines.base import PIPELINE_RATE, Float32Array, Transcript
+from s2s_rt.engines.languages import language_code
 from s2s_rt.engines.mel import LogMelSpectrogram
 
 #: Shorter audio than this (0.1 s) holds no word; it is not decoded at all.
@@ -110,10 +111,18 @@ class WhisperSTT:
             rate. A window whose decoding never ends (a repetition loop) is
             decoded again with the full window. See
             :class:`~s2s_rt.engines.mel.LogMelSpectrogram`.
+        languages: the languages the server serves (ISO 639-1 codes such
+            as ``en``). A transcription without a language of its own is
+            heard as the most likely one of these: Whisper base takes a
+            few seconds of accented English for Japanese or Thai, and a
+            server that can only answer in English helps nobody by
+            transcribing Thai. One language skips detection; none means
+            every language the model knows.
 
     Raises:
         FileNotFoundError: the model directory lacks a tokenizer.
         RuntimeError: CTranslate2 cannot load the model on this device.
+        ValueError: a language the model does not know.
     """
 
     def __init__(
@@ -126,6 +135,7 @@ class WhisperSTT:
         inter_threads: int = 1,
         intra_threads: int = 1,
         full_window: bool = False,
+        languages: Sequence[str] = (),
     ) -> None:
         self.model_dir = Path(model_dir)
         self.device = device
@@ -143,29 +153,45 @@ class WhisperSTT:
         self.features = LogMelSpectrogram(n_mels, pad_to_window=full_window)
         self._full_window = self.features if full_window else LogMelSpectrogram(n_mels, pad_to_window=True)
         self.multilingual: bool = self._model.is_multilingual
+        codes = list(dict.fromkeys(map(language_code, languages))) if self.multilingual else ["en"]
+        #: The language tokens detection chooses among (empty: any).
+        self._served = [token for token in map(self._language_token, codes) if token is not None]
+        #: The languages transcripts may be in when no language is asked for (empty: any).
+        self.languages: tuple[str, ...] = tuple(codes)
 
     def describe(self) -> str:
         """One line for the start-up log."""
         window = "30 s window" if self.features.pad_to_window else "audio + margin window"
-        return f"STT Whisper {self.model_dir} (CTranslate2 {self.compute_type} on {self.device}, {window})"
+        if not self.multilingual:
+            heard = "English only"
+        elif len(self._served) == 1:
+            heard = f"language {self.languages[0]}"
+        else:
+            heard = f"languages {', '.join(self.languages) or 'any'} (detected)"
+        return f"STT Whisper {self.model_dir} (CTranslate2 {self.compute_type} on {self.device}, {window}, {heard})"
 
     def transcribe(self, audio: Float32Array, *, language: str | None = None, prompt: str | None = None) -> Transcript:
         """Transcribe float32 mono audio at 16 kHz.
 
         Args:
             audio: the utterance, float32 in [-1, 1].
-            language: an ISO code such as ``en``; None detects it.
+            language: an ISO code such as ``en``; None detects it among the
+                served languages (the only one, when there is one).
             prompt: earlier text that biases spelling and style.
 
         Returns:
             The text (empty for audio under 0.1 s or without speech) and the
-            language, given or detected.
+            language, given, served or detected.
 
         Raises:
             ValueError: ``language`` is not one this model knows.
         """
         audio = np.asarray(audio, dtype=np.float32).reshape(-1)
-        language_token = self._language_token(language) if language else None
+        if language:
+            language_token = self._language_token(language)
+        else:
+            language_token = self._served[0] if len(self._served) == 1 else None
+            language = self.languages[0] if len(self.languages) == 1 else None
         if len(audio) < MIN_SAMPLES:
             return Transcript("", language)
         texts: list[str] = []
@@ -206,8 +232,12 @@ class WhisperSTT:
         return self._model.encode(ctranslate2.StorageView.from_array(batch), to_cpu=False)
 
     def _detect_language(self, encoded: ctranslate2.StorageView) -> str:
-        token, _probability = self._model.detect_language(encoded)[0][0]
-        return str(token)
+        """The most likely language token, among the served ones when there are any."""
+        ranked = self._model.detect_language(encoded)[0]
+        if self._served:
+            # Ranked best first over every language the model knows.
+            return next((str(token) for token, _p in ranked if token in self._served), self._served[0])
+        return str(ranked[0][0])
 
     def _decode(
         self,
@@ -254,7 +284,7 @@ class WhisperSTT:
         return tokenizer.decode(ids).strip(), finished
 
     def _language_token(self, language: str) -> str | None:
-        code = language.strip().lower()
+        code = language_code(language)
         if not self.multilingual:
             if code != "en":
                 raise ValueError(f"this Whisper model is English-only, not {language!r}")

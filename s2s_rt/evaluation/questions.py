@@ -82,7 +82,7 @@ QUESTIONS: tuple[Question, ...] = (
     Question("What day of the week is it today?", "time", (r"thursday",)),
     Question("What is today's date?", "time", (r"june", r"\btwelfth\b|\btwelve\b")),
     Question("What time is it?", "time", (r"\bthree forty\b|\bfifteen forty\b|\btwenty to four\b",)),
-    Question("What month comes after March?", "time", (r"april",)),
+    Question("What month comes after March?", "time", (r"april",), (r"after april",)),
     Question("How many hours are there in a day?", "time", (r"\btwenty-four\b",)),
     # Advice
     Question(
@@ -103,11 +103,15 @@ QUESTIONS: tuple[Question, ...] = (
     Question("Thank you, that was helpful.", "small talk", (r"welcome|glad|happy|pleasure|anytime",)),
     Question("Good morning!", "small talk", (r"morning|hello|\bhi\b|hey|help",)),
     # Instructions
-    Question("Set a timer for twenty minutes.", "instruction", (r"\btwenty\b",)),
+    Question("Set a timer for twenty minutes.", "instruction", (r"\btwenty\b|can(no|')t|unable|not able",)),
     Question("Spell the word cat.", "instruction", (r"\bc\b\W*\ba\b\W*\bt\b",)),
-    Question("Count from one to five.", "instruction", (r"one\W+two\W+three\W+four\W+five",)),
+    Question("Count from one to five.", "instruction", (r"one\W+two\W+three\W+four\W+(and\W+)?five",)),
     Question("Name the three primary colors.", "instruction", (r"\bred\b", r"\bblue\b", r"yellow")),
-    Question("Give me a word that rhymes with cat.", "instruction", (r"\b(hat|bat|mat|rat|sat|fat|pat|chat|flat|that|vat|gnat|splat|spat|brat)\b",)),
+    Question(
+        "Give me a word that rhymes with cat.",
+        "instruction",
+        (r"\b(hat|bat|mat|rat|sat|fat|pat|chat|flat|that|vat|gnat|splat|spat|brat)\b",),
+    ),
     Question("Translate thank you into Spanish.", "instruction", (r"gracias",)),
     Question("What is the opposite of hot?", "instruction", (r"\bcold\b",)),
     # Unknowable: a right answer does not guess

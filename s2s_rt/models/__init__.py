@@ -9,9 +9,11 @@ is what the server calls at start-up.
 from s2s_rt.models.cache import CACHE_ENV, ModelStatus, State, cache_root, list_models, verify
 from s2s_rt.models.errors import INSTALL_COMMAND, PREPARE_COMMAND, ModelError
 from s2s_rt.models.prepared import (
+    NO_LLM,
     PreparedModels,
     ensure_prepared,
     prepare,
+    prepare_gguf,
     resolve_llm_dir,
     resolve_voice,
     resolve_whisper_dir,
@@ -22,6 +24,7 @@ __all__ = [
     "CACHE_ENV",
     "INSTALL_COMMAND",
     "LLM_PRESETS",
+    "NO_LLM",
     "PREPARE_COMMAND",
     "ModelError",
     "ModelStatus",
@@ -31,6 +34,7 @@ __all__ = [
     "ensure_prepared",
     "list_models",
     "prepare",
+    "prepare_gguf",
     "resolve_llm_dir",
     "resolve_voice",
     "resolve_whisper_dir",

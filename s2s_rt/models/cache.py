@@ -245,7 +245,9 @@ def list_models(cache_dir: str | os.PathLike[str] | None = None) -> list[ModelSt
     """
     from s2s_rt.models.recipes import LLM_PRESETS
 
-    presets = {recipe.name: preset for preset, recipe in LLM_PRESETS.items()}
+    presets: dict[str, str] = {}
+    for preset, llm in LLM_PRESETS.items():
+        presets.setdefault(llm.name, preset)  # a preset's first name ("tiny", not its alias "fast")
     root = cache_root(cache_dir)
     manifest = Manifest.load(root)
     statuses = []

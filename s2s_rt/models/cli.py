@@ -8,7 +8,7 @@ import time
 
 from s2s_rt.models.cache import State, cache_root, list_models, verify
 from s2s_rt.models.errors import INSTALL_COMMAND, ModelError
-from s2s_rt.models.prepared import ALL_LLMS, prepare
+from s2s_rt.models.prepared import ALL_LLMS, prepare, prepare_gguf
 from s2s_rt.models.recipes import LLM_PRESETS
 
 
@@ -27,6 +27,12 @@ def _parser() -> argparse.ArgumentParser:
         help="which LLM preset to build (default: %(default)s)",
     )
     prep.add_argument("--force", action="store_true", help="rebuild models that look up to date")
+    prep.add_argument(
+        "--gguf",
+        metavar="FILE",
+        help="convert this GGUF chat model of yours into the cache instead (llama, Mistral, Qwen2/3, Gemma 3, Phi-3)",
+    )
+    prep.add_argument("--name", help="with --gguf: the cache directory's name (default: the file's)")
 
     commands.add_parser("list", help="show each model, its state, size and path")
     commands.add_parser("verify", help="check every cached file's SHA-256 (exit 1 if any is bad)")
@@ -46,6 +52,11 @@ def main(argv: list[str]) -> int:
     """
     args = _parser().parse_args(argv)
     try:
+        if args.command == "prepare" and args.gguf:
+            prepare_gguf(
+                args.gguf, args.dir, name=args.name, progress=lambda line: print(line, flush=True), force=args.force
+            )
+            return 0
         if args.command == "prepare":
             return _prepare(args.dir, args.llm, args.force)
         if args.command == "list":
@@ -74,7 +85,7 @@ def _list(cache_dir: str | None) -> int:
         absent = [d for d, v in status.packages.items() if v is None]
         if absent and status.state is not State.READY:
             print(f"  {'':<11} packages not installed: {', '.join(absent)}")
-    if any(s.state is not State.READY and s.preset != "tiny" for s in statuses):
+    if any(s.state is not State.READY and s.preset not in ("tiny", "best") for s in statuses):
         print(f"to build missing models: s2s-rt models prepare (packages: {INSTALL_COMMAND})")
     return 0
 

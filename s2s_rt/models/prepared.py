@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -26,6 +28,8 @@ from s2s_rt.models.recipes import LLM_PRESETS, VAD, VOICES, WHISPER, Recipe
 Progress = Callable[[str], None]
 PathLike = str | os.PathLike[str]
 
+#: The requirements file of the packages the default stack needs (optional presets name their own).
+_DEFAULT_REQUIREMENTS = "requirements-models.txt"
 #: ``llm`` value of :func:`prepare` that builds every LLM preset.
 ALL_LLMS = "all"
 #: ``llm`` value of :func:`prepare` that builds no LLM (the LLM answers from an endpoint).
@@ -129,6 +133,74 @@ def ensure_prepared(
     return prepare(root, llm, progress)
 
 
+def prepare_gguf(
+    gguf_path: PathLike,
+    cache_dir: PathLike | None = None,
+    *,
+    name: str | None = None,
+    progress: Progress = print,
+    force: bool = False,
+) -> Path:
+    """Convert a GGUF chat model of the user's into the cache (``s2s-rt models prepare --gguf``).
+
+    The model goes to ``llm-gguf-NAME`` in the cache, NAME being the file's
+    name without ``.gguf`` unless given; give that directory to ``--llm``.
+    Converting again is skipped while the file is unchanged (same path, size
+    and modification time). Supported families: those of
+    :mod:`s2s_rt.models.gguf_to_ct2`.
+
+    Returns:
+        The model directory.
+
+    Raises:
+        ModelError: the file is missing, not a GGUF, or of an unsupported
+            architecture or tokenizer; or the cache is not writable.
+    """
+    from s2s_rt.models.gguf_to_ct2 import convert_gguf
+
+    source = Path(gguf_path).expanduser().resolve()
+    if not source.is_file():
+        raise ModelError(f"{source} is not a file (a .gguf chat model expected)")
+    root = cache_root(cache_dir)
+    label = re.sub(r"[^A-Za-z0-9._-]+", "-", name or source.name.removesuffix(".gguf")).strip("-.") or "model"
+    target = root / f"llm-gguf-{label}"
+    stat = source.stat()
+    stamp = {"gguf": str(source), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    if not force and _read_stamp(target) == stamp:
+        progress(f"{target.name}: up to date (converted from {source})")
+        return target
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        with cache_lock(root):
+            _remove_leftovers(root)
+            progress(f"{target.name}: converting {source} to CTranslate2 int8")
+            started = time.monotonic()
+            build_dir = Path(tempfile.mkdtemp(prefix=f".build-{target.name}-", dir=root))
+            build_dir.chmod(0o755)
+            try:
+                convert_gguf(source, build_dir, progress=progress)
+                (build_dir / _GGUF_STAMP).write_text(json.dumps(stamp, indent=2) + "\n", encoding="utf-8")
+                _move_into_place(build_dir, target)
+            except BaseException:
+                shutil.rmtree(build_dir, ignore_errors=True)
+                raise
+    except OSError as exc:
+        raise ModelError(f"cannot write the model cache {root} ({exc}); point ${CACHE_ENV} elsewhere") from exc
+    progress(f"{target.name}: ready in {time.monotonic() - started:.1f} s; use it with --llm {target}")
+    return target
+
+
+#: Written beside a model converted from a user's GGUF: which file, as it was.
+_GGUF_STAMP = "source-gguf.json"
+
+
+def _read_stamp(directory: Path) -> object:
+    try:
+        return json.loads((directory / _GGUF_STAMP).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
 def resolve_llm_dir(spec: PathLike, cache_dir: PathLike | None = None) -> Path:
     """Turn an LLM setting into a model directory.
 
@@ -213,7 +285,12 @@ def _require_files(directory: Path, what: str, names: list[str]) -> None:
 
 def _recipes_for(llm: str) -> list[Recipe]:
     if llm == ALL_LLMS:
-        llms = list(LLM_PRESETS.values())
+        # Each model once (presets have aliases); optional ones only when their packages are installed.
+        llms = [
+            r
+            for r in dict.fromkeys(LLM_PRESETS.values())
+            if not r.optional or None not in r.installed_versions().values()
+        ]
     elif llm in LLM_PRESETS:
         llms = [LLM_PRESETS[llm]]
     elif llm == NO_LLM:
@@ -230,9 +307,10 @@ def _build(recipe: Recipe, manifest: Manifest, state: State, progress: Progress)
     versions = recipe.installed_versions()
     missing = [d for d, v in versions.items() if v is None]
     if missing:
+        install = INSTALL_COMMAND.replace(_DEFAULT_REQUIREMENTS, recipe.requirements)
         raise ModelError(
             f"cannot build {root / recipe.name} ({state.value}): model package(s) "
-            f"{', '.join(missing)} not installed; fix: {INSTALL_COMMAND}"
+            f"{', '.join(missing)} not installed; fix: {install}"
         )
     sources = ", ".join(f"{d} {v}" for d, v in versions.items())
     progress(f"{recipe.name}: {state.value}, building from {sources}")

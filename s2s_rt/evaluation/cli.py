@@ -1,0 +1,327 @@
+"""``python -m s2s_rt.evaluation``: how well each LLM preset answers, typed and spoken.
+
+::
+
+    python -m s2s_rt.evaluation --llm default tiny best --out eval-results
+
+1. **Hearing.** Every question is spoken by every voice (the project's
+   Piper voice, flite, espeak-ng), transcribed by Whisper as a session
+   without a transcription language is (``--detect any`` lets Whisper choose
+   among all its languages, as before the served-languages setting), and
+   compared with what was said: word error rate and wrong languages, per voice.
+2. **Answering**, in a fresh process per preset: the default stack is loaded
+   with that LLM (so its memory is the server's), each question is answered
+   typed and from each transcript (as a default session answers:
+   instructions, answer context, temperature), graded, and the function-calling
+   set is run; first-token and first-audio times are taken on the typed
+   questions.
+
+Writes ``hearing.json``, ``answers-PRESET.json`` and ``report.md`` (the
+tables of BENCHMARKS.md) into ``--out``. Needs ``flite`` and ``espeak-ng``
+for the foreign voices (``apt-get install flite espeak-ng``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from s2s_rt.evaluation.questions import EVALUATION_NOW, QUESTIONS
+from s2s_rt.evaluation.voices import ALL_VOICES, Voice, missing_programs
+
+PRESETS = ("default", "tiny", "best")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m s2s_rt.evaluation", description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--llm", nargs="*", default=["default"], help="LLM presets or model directories (none: hearing only)"
+    )
+    parser.add_argument("--out", type=Path, default=Path("eval-results"), help="directory for the results")
+    parser.add_argument(
+        "--voices", nargs="+", default=[v.label for v in ALL_VOICES], help="engine:name of each voice (default: all)"
+    )
+    parser.add_argument("--typed-only", action="store_true", help="skip the spoken questions")
+    parser.add_argument("--no-tools", action="store_true", help="skip the function-calling set")
+    parser.add_argument("--detect", choices=["served", "any"], default="served", help="languages Whisper detects among")
+    parser.add_argument("--instructions", help="session instructions (default: a default session's)")
+    parser.add_argument("--temperature", type=float, help="session temperature (default: the server's)")
+    parser.add_argument(
+        "--temperature-scale", type=float, help="the local LLM's temperature scale (default: the server's)"
+    )
+    parser.add_argument(
+        "--no-context", action="store_true", help="answer without the answer context (date, language, examples)"
+    )
+    parser.add_argument("--no-examples", action="store_true", help="answer without the worked examples")
+    parser.add_argument(
+        "--speak-back", action="store_true", help="speak each typed answer and transcribe it back (intelligibility)"
+    )
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.one is not None:
+        return _answer_one(args)
+    voices = [Voice(*label.split(":", 1)) for label in args.voices]
+    hearing: dict[str, Any] = {"voices": [], "clips": []}
+    if not args.typed_only:
+        missing = missing_programs(tuple(voices))
+        if missing:
+            print(f"missing synthesisers: {', '.join(missing)} (apt-get install {' '.join(missing)})")
+            return 2
+        hearing = _hear(voices, args.detect)
+        (args.out / "hearing.json").write_text(json.dumps(hearing, indent=1))
+    results = []
+    for preset in args.llm:
+        out = args.out / f"answers-{Path(preset).name}.json"
+        command = [sys.executable, "-m", "s2s_rt.evaluation", "--one", preset, "--out", str(args.out)]
+        command += [flag for flag, on in (("--typed-only", args.typed_only), ("--no-tools", args.no_tools)) if on]
+        command += ["--no-context"] if args.no_context else []
+        command += ["--no-examples"] if args.no_examples else []
+        command += ["--instructions", args.instructions] if args.instructions is not None else []
+        command += ["--temperature", str(args.temperature)] if args.temperature is not None else []
+        command += ["--temperature-scale", str(args.temperature_scale)] if args.temperature_scale is not None else []
+        print(f"== {preset}", flush=True)
+        if subprocess.run(command, check=False).returncode != 0:
+            print(f"{preset}: failed (see above)")
+            continue
+        results.append(json.loads(out.read_text()))
+    if args.speak_back:
+        for result in results:
+            result["speak_back"] = _speak_back([t["answer"] for t in result["typed"]])
+            (args.out / f"answers-{Path(result['preset']).name}.json").write_text(json.dumps(result, indent=1))
+    report = _report(hearing, results)
+    (args.out / "report.md").write_text(report)
+    print(report)
+    return 0
+
+
+# --- hearing ---------------------------------------------------------------------------------
+
+
+def _hear(voices: list[Voice], detect: str) -> dict[str, Any]:
+    from s2s_rt.engines.piper import PiperTTS, voice_languages
+    from s2s_rt.engines.whisper import WhisperSTT
+    from s2s_rt.evaluation.grading import spoken_word_error_rate
+    from s2s_rt.evaluation.voices import say
+    from s2s_rt.models import ensure_prepared
+    from s2s_rt.wer import words
+
+    prepared = ensure_prepared(progress=print)
+    tts = PiperTTS(prepared.voices)
+    served = voice_languages(prepared.voices) if detect == "served" else []
+    stt = WhisperSTT(prepared.whisper, languages=served)
+    print(stt.describe(), flush=True)
+
+    def piper(text: str, name: str) -> tuple[Any, int]:
+        import numpy as np
+
+        return np.concatenate(list(tts.synthesize(text, voice=name))), tts.sample_rate
+
+    clips, summary = [], []
+    for voice in voices:
+        errors, total, wrong = 0.0, 0, 0
+        started = time.perf_counter()
+        for q in QUESTIONS:
+            heard = stt.transcribe(say(voice, q.text, piper))
+            wer = spoken_word_error_rate(q.text, heard.text)
+            n = len(words(q.text))
+            errors, total = errors + wer * n, total + n
+            wrong += heard.language != "en"
+            clips.append({"voice": voice.label, "question": q.text, "heard": heard.text, "language": heard.language})
+        summary.append({"voice": voice.label, "wer": errors / total, "wrong_language": wrong, "clips": len(QUESTIONS)})
+        print(f"{voice.label}: WER {100 * errors / total:.1f} %, {wrong} not English, "
+              f"{time.perf_counter() - started:.0f} s", flush=True)  # fmt: skip
+    return {"detect": detect, "served": served, "voices": summary, "clips": clips}
+
+
+def _speak_back(answers: list[str]) -> dict[str, Any]:
+    """Word error rate of answers spoken by the Piper voice and transcribed back, against what it should say."""
+    import numpy as np
+
+    from s2s_rt.audio import resample
+    from s2s_rt.engines.base import PIPELINE_RATE
+    from s2s_rt.engines.piper import PiperTTS
+    from s2s_rt.engines.whisper import WhisperSTT
+    from s2s_rt.models import ensure_prepared
+    from s2s_rt.speech_text import speakable
+    from s2s_rt.wer import word_error_rate, words
+
+    prepared = ensure_prepared(progress=print)
+    tts, stt = PiperTTS(prepared.voices), WhisperSTT(prepared.whisper, languages=["en"])
+    errors, total = 0.0, 0
+    for answer in answers:
+        said = speakable(answer)
+        if not words(said):
+            continue
+        audio = np.concatenate(list(tts.synthesize(answer)))
+        heard = stt.transcribe(resample(audio, tts.sample_rate, PIPELINE_RATE)).text
+        n = len(words(said))
+        errors, total = errors + word_error_rate(said, speakable(heard)) * n, total + n
+    return {"wer": errors / max(total, 1), "words": total, "answers": len(answers)}
+
+
+# --- answering (one preset per process) ---------------------------------------------------------
+
+
+def _answer_one(args: argparse.Namespace) -> int:
+    from s2s_rt import models
+    from s2s_rt.bench.procfs import read_proc
+    from s2s_rt.config import Config
+    from s2s_rt.engines.default import load_default_stack
+    from s2s_rt.evaluation.asking import Assistant
+    from s2s_rt.evaluation.grading import is_right
+    from s2s_rt.evaluation.tool_requests import REQUESTS, TOOLS
+    from s2s_rt.protocol.config import SessionConfig
+
+    preset = args.one
+    config = Config()
+    try:
+        prepared = models.ensure_prepared(llm=preset if preset in models.LLM_PRESETS else "default", progress=print)
+        llm_dir = prepared.llm if preset in models.LLM_PRESETS else models.resolve_llm_dir(preset)
+    except models.ModelError as exc:
+        print(f"{preset}: {exc}")
+        return 1
+    stack = load_default_stack(
+        vad_model=prepared.vad,
+        whisper_dir=prepared.whisper,
+        llm_dir=llm_dir,
+        voices=prepared.voices,
+        device="cpu",
+        stt_threads=config.stt_threads,
+        llm_threads=config.llm_threads,
+        tts_threads=config.tts_threads,
+        llm_temperature_scale=(
+            config.llm_temperature_scale if args.temperature_scale is None else args.temperature_scale
+        ),
+    )
+    loaded = read_proc(os.getpid())
+    session = SessionConfig()
+    instructions = session.instructions if args.instructions is None else args.instructions
+    assistant = Assistant(
+        stack.llm,
+        stack.tts,
+        instructions=instructions,
+        temperature=session.temperature if args.temperature is None else args.temperature,
+        now=EVALUATION_NOW,
+        context=not args.no_context,
+        examples=not args.no_examples,
+    )
+    seed = _seeder()
+    assistant.answer("Hello!")  # warm-up: first calls allocate
+    typed = []
+    for q in QUESTIONS:
+        seed()
+        a = assistant.answer(q.text)
+        typed.append({"question": q.text, "kind": q.kind, "answer": a.text, "right": is_right(q, a.text),
+                      "first_token_s": a.first_token_s, "first_audio_s": a.first_audio_s,
+                      "total_s": a.total_s, "tokens": a.output_tokens})  # fmt: skip
+        print(("+ " if typed[-1]["right"] else "- ") + f"{q.text} => {a.text!r}", flush=True)
+    spoken = []
+    hearing_path = args.out / "hearing.json"
+    if not args.typed_only and hearing_path.exists():
+        by_text = {q.text: q for q in QUESTIONS}
+        answered: dict[tuple[str, str | None], str] = {}
+        for clip in json.loads(hearing_path.read_text())["clips"]:
+            key = (clip["heard"], clip["language"])
+            if key not in answered:
+                seed()
+                answered[key] = assistant.answer(clip["heard"], clip["language"]).text
+            q = by_text[clip["question"]]
+            spoken.append({**clip, "answer": answered[key], "right": is_right(q, answered[key])})
+    calls = []
+    if not args.no_tools:
+        for request in REQUESTS:
+            seed()
+            called = assistant.call(request.text, TOOLS)
+            right = request.is_right(called)
+            calls.append({"request": request.text, "expected": request.function, "calls": called.calls,
+                          "invalid": called.invalid, "text": called.text, "right": right})  # fmt: skip
+            print(("+ " if right else "- ") + f"{request.text} => {called.calls or called.text!r}")
+    finished = read_proc(os.getpid())
+    result = {
+        "preset": preset,
+        "llm": str(llm_dir),
+        "instructions": assistant.instructions,
+        "temperature": assistant.temperature,
+        "temperature_scale": getattr(stack.llm, "temperature_scale", 1.0),
+        "context": assistant.context,
+        "examples": assistant.examples,
+        "rss_loaded_mb": loaded.rss_mb if loaded else None,
+        "rss_peak_mb": finished.hwm_mb if finished else None,
+        "load_average": os.getloadavg(),
+        "typed": typed,
+        "spoken": spoken,
+        "calls": calls,
+    }
+    (args.out / f"answers-{Path(preset).name}.json").write_text(json.dumps(result, indent=1))
+    return 0
+
+
+def _seeder() -> Any:
+    """Reset CTranslate2's sampling seed before each answer, so sampled runs repeat."""
+    import ctranslate2
+
+    return lambda: ctranslate2.set_random_seed(1234)
+
+
+# --- the report --------------------------------------------------------------------------------
+
+
+def _median_ms(values: list[float | None]) -> str:
+    present = [v for v in values if v is not None]
+    return f"{1000 * statistics.median(present):.0f}" if present else "-"
+
+
+def _report(hearing: dict[str, Any], results: list[dict[str, Any]]) -> str:
+    lines = []
+    if hearing["voices"]:
+        lines += [
+            f"Hearing (languages detected among: {', '.join(hearing['served']) or 'all of Whisper'})",
+            "",
+            "| voice | WER | not heard as English |",
+            "|---|---|---|",
+        ]
+        for v in hearing["voices"]:
+            lines.append(f"| {v['voice']} | {100 * v['wer']:.1f} % | {v['wrong_language']} / {v['clips']} |")
+        lines.append("")
+    if not results:
+        return "\n".join(lines) + "\n"
+    lines += [
+        "| preset | typed right | spoken right | tool calls right | first token p50 | first audio p50 | RSS |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        typed, spoken, calls = r["typed"], r["spoken"], r["calls"]
+
+        def share(rows: list[dict[str, Any]]) -> str:
+            right = sum(row["right"] for row in rows)
+            return f"{right}/{len(rows)} ({100 * right / len(rows):.0f} %)" if rows else "-"
+
+        lines.append(
+            f"| {r['preset']} | {share(typed)} | {share(spoken)} | {share(calls)} | "
+            f"{_median_ms([t['first_token_s'] for t in typed])} ms | {_median_ms([t['first_audio_s'] for t in typed])}"
+            f" ms | {r['rss_peak_mb']:.0f} MB |"
+        )
+    for r in results:
+        kinds = Counter(t["kind"] for t in r["typed"])
+        right = Counter(t["kind"] for t in r["typed"] if t["right"])
+        lines += ["", f"{r['preset']}, typed, by kind: " + ", ".join(f"{k} {right[k]}/{n}" for k, n in kinds.items())]
+        if "speak_back" in r:
+            back = r["speak_back"]
+            lines.append(
+                f"{r['preset']}, typed answers spoken and heard back: "
+                f"WER {100 * back['wer']:.1f} % of {back['words']} words"
+            )
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""What the LLM is told besides the conversation: the date and time, and the language the user spoke."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from datetime import datetime
+from typing import Any
+
+import pytest
+from conftest import RealtimeClient, run, silence, tone
+
+from s2s_rt import Config, Server
+from s2s_rt.engines.base import ChatMessage
+from s2s_rt.engines.fake import EchoLLM, load_fake_stack
+from s2s_rt.spoken_answer import ANSWER_EXAMPLES, DEFAULT_INSTRUCTIONS, answer_context, with_answer_context
+
+THURSDAY = datetime(2025, 6, 12, 15, 40)
+
+
+def test_the_answer_knows_the_date_and_time() -> None:
+    assert answer_context(THURSDAY) == "Today is Thursday, June 12, 2025, and the time is 3:40 PM."
+
+
+def test_a_user_who_spoke_german_is_answered_in_german() -> None:
+    assert answer_context(THURSDAY, "de").endswith("The user speaks German: answer in German.")
+
+
+def test_english_needs_no_language_instruction() -> None:
+    assert "speaks" not in answer_context(THURSDAY, "en")
+    assert "speaks" not in answer_context(THURSDAY, None)
+
+
+def test_the_context_ends_the_system_message() -> None:
+    messages = [ChatMessage("system", "Be brief."), ChatMessage("user", "Hi")]
+    system, user = with_answer_context(messages, now=THURSDAY)
+    assert system.content.startswith("Be brief.\n\nToday is Thursday")
+    assert user == messages[1]
+
+
+def test_the_default_instructions_come_with_worked_examples() -> None:
+    system = with_answer_context([ChatMessage("system", DEFAULT_INSTRUCTIONS), ChatMessage("user", "Hi")])[0]
+    assert system.content.startswith(f"{DEFAULT_INSTRUCTIONS}\n\n{ANSWER_EXAMPLES}\n\nToday is")
+
+
+def test_no_examples_when_functions_are_offered_or_the_client_gave_instructions() -> None:
+    # Examples of answers made the default model answer what a function should (BENCHMARKS.md).
+    default = [ChatMessage("system", DEFAULT_INSTRUCTIONS), ChatMessage("user", "Weather in Paris?")]
+    assert ANSWER_EXAMPLES not in with_answer_context(default, tools=True)[0].content
+    own = [ChatMessage("system", "You are a pirate."), ChatMessage("user", "Hi")]
+    assert ANSWER_EXAMPLES not in with_answer_context(own)[0].content
+
+
+def test_a_conversation_without_instructions_gets_a_system_message() -> None:
+    system, user = with_answer_context([ChatMessage("user", "Hi")], now=THURSDAY)
+    assert (system.role, user.content) == ("system", "Hi")
+    assert "Thursday" in system.content
+
+
+class RecordingLLM(EchoLLM):
+    """The fake LLM, keeping the messages of every answer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[list[ChatMessage]] = []
+
+    def stream(self, messages: Sequence[ChatMessage], **options: Any) -> Iterator[str]:
+        self.seen.append(list(messages))
+        return super().stream(messages, **options)
+
+
+@pytest.mark.parametrize(("language", "told"), [("de", "answer in German"), (None, None)])
+def test_the_language_heard_reaches_the_answer_and_the_log(
+    language: str | None, told: str | None, caplog: pytest.LogCaptureFixture
+) -> None:
+    llm = RecordingLLM()
+    stack = load_fake_stack()
+    stack.llm = llm
+
+    async def scenario() -> None:
+        config = Config(port=0, stack="fake", pool_size=1, drain_timeout_s=2.0, grace_period_s=2.0)
+        async with Server(config, stack=stack) as server, RealtimeClient.connect(server) as c:
+            transcription = {"model": "whisper-1", "language": language} if language else {"model": "whisper-1"}
+            await c.send("session.update", session={"input_audio_transcription": transcription})
+            await c.until("session.updated")
+            await c.append_audio(tone(440, 0.5) + silence(0.8))
+            await c.until("response.done")
+
+    with caplog.at_level(logging.INFO, logger="s2s_rt.slot"):
+        run(scenario())
+    system = llm.seen[-1][0]
+    assert system.role == "system" and "Today is" in system.content
+    if told is None:
+        assert "speaks" not in system.content
+        assert "the user speaks en (detected)" in caplog.text
+    else:
+        assert told in system.content
+        assert f"the user speaks {language} (given)" in caplog.text
+
+
+def test_a_default_session_answers_with_examples_but_not_when_functions_are_offered() -> None:
+    llm = RecordingLLM()
+    stack = load_fake_stack()
+    stack.llm = llm
+    tool = {"type": "function", "name": "get_weather", "parameters": {"type": "object", "properties": {}}}
+
+    async def scenario() -> None:
+        config = Config(port=0, stack="fake", pool_size=1, drain_timeout_s=2.0, grace_period_s=2.0)
+        async with Server(config, stack=stack) as server, RealtimeClient.connect(server) as c:
+            await c.say_text("Hello")
+            await c.say_text("And the weather?", tools=[tool])
+
+    run(scenario())
+    plain, with_tools = (seen[0].content for seen in llm.seen)
+    assert ANSWER_EXAMPLES in plain
+    assert ANSWER_EXAMPLES not in with_tools and "Today is" in with_tools

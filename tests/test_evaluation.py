@@ -1,0 +1,83 @@
+"""The answer-quality evaluation: its questions, its grading, and one answer timed as the server gives it."""
+
+from __future__ import annotations
+
+import pytest
+
+from s2s_rt.evaluation.asking import Assistant, CallResult
+from s2s_rt.evaluation.grading import is_right, spoken_word_error_rate
+from s2s_rt.evaluation.questions import EVALUATION_NOW, KINDS, QUESTIONS, Question
+from s2s_rt.evaluation.tool_requests import REQUESTS, TOOLS, ToolRequest
+from s2s_rt.evaluation.voices import ALL_VOICES
+from s2s_rt.models import ModelError, ensure_prepared
+
+SPIDER = next(q for q in QUESTIONS if "spider" in q.text)
+
+
+def test_the_set_has_forty_questions_or_more_of_every_kind() -> None:
+    assert len(QUESTIONS) >= 40
+    assert {q.kind for q in QUESTIONS} == set(KINDS)
+    assert len({q.text for q in QUESTIONS}) == len(QUESTIONS)
+
+
+def test_every_question_is_spoken_by_several_engines() -> None:
+    assert {v.engine for v in ALL_VOICES} == {"piper", "flite", "espeak-ng"}
+
+
+@pytest.mark.parametrize("answer", ["A spider has 8 legs.", "Spiders have eight legs!"])
+def test_a_number_is_right_in_digits_or_words(answer: str) -> None:
+    assert is_right(SPIDER, answer)
+
+
+@pytest.mark.parametrize("answer", ["A spider has four legs.", "Eight, or maybe six.", "I don't know."])
+def test_a_wrong_or_hedged_answer_is_wrong(answer: str) -> None:
+    assert not is_right(SPIDER, answer)
+
+
+def test_every_fact_asked_for_must_be_there() -> None:
+    colors = Question("Name the three primary colors.", "instruction", (r"\bred\b", r"\bblue\b", r"yellow"))
+    assert is_right(colors, "Red, blue and yellow.")
+    assert not is_right(colors, "Red, blue and green.")
+
+
+def test_word_error_rate_does_not_count_numbers_written_as_digits() -> None:
+    assert spoken_word_error_rate("Set a timer for twenty minutes.", "Set a timer for 20 minutes.") == 0.0
+    one_wrong = spoken_word_error_rate("Set a timer for twenty minutes.", "Set a time for 20 minutes.")
+    assert one_wrong == pytest.approx(1 / 6)
+
+
+def test_the_function_calling_set_is_ten_calls_to_two_tools_and_five_without() -> None:
+    assert len([r for r in REQUESTS if r.function]) == 10
+    assert len([r for r in REQUESTS if r.function is None]) == 5
+    assert {r.function for r in REQUESTS if r.function} == {t["name"] for t in TOOLS} == {"get_weather", "set_timer"}
+
+
+def test_a_call_is_right_with_the_expected_function_and_arguments() -> None:
+    timer = ToolRequest("Set a timer for ten minutes.", "set_timer", {"minutes": 10})
+    assert timer.is_right(CallResult([("set_timer", {"minutes": 10, "label": "tea"})], [], ""))
+    assert not timer.is_right(CallResult([("set_timer", {"minutes": 5})], [], ""))
+    assert not timer.is_right(CallResult([], [], "Sure, ten minutes."))
+    chat = ToolRequest("Tell me a joke.")
+    assert chat.is_right(CallResult([], [], "Why did the chicken cross the road?"))
+    assert not chat.is_right(CallResult([("get_weather", {"city": "Paris"})], [], ""))
+
+
+@pytest.mark.slow
+def test_an_answer_is_timed_to_its_first_token_and_first_audio() -> None:
+    try:
+        prepared = ensure_prepared(llm="tiny", progress=lambda _line: None)
+    except ModelError as exc:
+        pytest.skip(f"models unavailable: {exc}")
+    from s2s_rt.engines.llm import CT2ChatLLM
+    from s2s_rt.engines.piper import PiperTTS
+
+    assert prepared.llm is not None
+    assistant = Assistant(
+        CT2ChatLLM(prepared.llm), PiperTTS(prepared.voices), instructions="Be brief.", temperature=0.0,
+        now=EVALUATION_NOW, max_tokens=40,
+    )  # fmt: skip
+    answer = assistant.answer("What is the capital of France?")
+    assert answer.text
+    assert answer.first_token_s is not None and answer.first_audio_s is not None
+    assert 0 < answer.first_token_s <= answer.first_audio_s <= answer.total_s + 1.0
+    assert "Thursday, June 12, 2025" in assistant.messages("Hi")[0].content
