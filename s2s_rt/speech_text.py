@@ -89,13 +89,13 @@ def decimal(text: str) -> str:
 # --- markdown ------------------------------------------------------------------------------
 
 _FENCE = re.compile(r"```[^\n]*\n.*?(```|$)", re.DOTALL)
-_MARKDOWN_LINE = re.compile(r"^[ \t]{0,3}(?:#{1,6}\s+|>\s*|[-*+•]\s+|\d{1,2}[.)]\s+(?=\S))", re.MULTILINE)
+#: Headings, quotes and bullets. A numbered item keeps its number: "one. Mix the flour" is how people read
+#: steps aloud, and a number that starts an answer ("42. That is all.") may be the answer.
+_MARKDOWN_LINE = re.compile(r"^[ \t]{0,3}(?:#{1,6}\s+|>\s*|[-*+•]\s+)", re.MULTILINE)
 _TABLE_RULE = re.compile(r"^[ \t]*\|?[ \t]*:?-{3,}.*$", re.MULTILINE)
 _EMPHASIS = re.compile(r"(\*\*|__)(.+?)\1|(?<![\w*])\*(?!\s)(.+?)(?<!\s)\*(?![\w*])|(?<!\w)_(?!\s)(.+?)(?<!\s)_(?!\w)")
 _LINK = re.compile(r"!?\[([^\]]*)\]\([^)]*\)")
 _URL = re.compile(r"\bhttps?://(?:www\.)?([^\s/]+)\S*")
-#: A list number left at the end of a clause ("Here is how: 1."), its item following in the next clause.
-_TRAILING_LIST_NUMBER = re.compile(r"(?<=[:.!?])\s+\d{1,2}[.)]$")
 _SENTENCE_END = ".!?:;,"
 
 
@@ -111,7 +111,6 @@ def strip_markdown(text: str) -> str:
     text = re.sub(r"[*#_~]+(?!\d)", " ", text)
     # Emoji and pictographs have no sound.
     text = "".join(c for c in text if unicodedata.category(c) != "So" or c == "°")
-    text = _TRAILING_LIST_NUMBER.sub("", text.rstrip())
     lines = [re.sub(r"\s+,", ",", line).strip(" ,") for line in text.splitlines()]
     lines = [line for line in lines if line]
     if len(lines) > 1:

@@ -31,16 +31,21 @@ def test_english_needs_no_language_instruction() -> None:
     assert "speaks" not in answer_context(THURSDAY, None)
 
 
-def test_the_context_ends_the_system_message() -> None:
-    messages = [ChatMessage("system", "Be brief."), ChatMessage("user", "Hi")]
+def test_a_question_about_time_gets_the_date_at_the_end_of_the_system_message() -> None:
+    messages = [ChatMessage("system", "Be brief."), ChatMessage("user", "What day is it today?")]
     system, user = with_answer_context(messages, now=THURSDAY)
-    assert system.content.startswith("Be brief.\n\nToday is Thursday")
+    assert system.content == "Be brief.\n\nToday is Thursday, June 12, 2025, and the time is 3:40 PM."
     assert user == messages[1]
+
+
+def test_other_questions_do_not_pay_for_reading_the_date() -> None:
+    messages = [ChatMessage("system", "Be brief."), ChatMessage("user", "Who painted the Mona Lisa?")]
+    assert with_answer_context(messages, now=THURSDAY) == messages
 
 
 def test_the_default_instructions_come_with_worked_examples() -> None:
     system = with_answer_context([ChatMessage("system", DEFAULT_INSTRUCTIONS), ChatMessage("user", "Hi")])[0]
-    assert system.content.startswith(f"{DEFAULT_INSTRUCTIONS}\n\n{ANSWER_EXAMPLES}\n\nToday is")
+    assert system.content == f"{DEFAULT_INSTRUCTIONS}\n\n{ANSWER_EXAMPLES}"
 
 
 def test_no_examples_when_functions_are_offered_or_the_client_gave_instructions() -> None:
@@ -51,10 +56,11 @@ def test_no_examples_when_functions_are_offered_or_the_client_gave_instructions(
     assert ANSWER_EXAMPLES not in with_answer_context(own)[0].content
 
 
-def test_a_conversation_without_instructions_gets_a_system_message() -> None:
-    system, user = with_answer_context([ChatMessage("user", "Hi")], now=THURSDAY)
-    assert (system.role, user.content) == ("system", "Hi")
-    assert "Thursday" in system.content
+def test_a_conversation_without_instructions_gets_a_system_message_only_for_a_context() -> None:
+    system, user = with_answer_context([ChatMessage("user", "What time is it?")], now=THURSDAY)
+    assert (system.role, user.content) == ("system", "What time is it?")
+    assert "3:40 PM" in system.content
+    assert with_answer_context([ChatMessage("user", "Hi")]) == [ChatMessage("user", "Hi")]
 
 
 class RecordingLLM(EchoLLM):
@@ -89,7 +95,7 @@ def test_the_language_heard_reaches_the_answer_and_the_log(
     with caplog.at_level(logging.INFO, logger="s2s_rt.slot"):
         run(scenario())
     system = llm.seen[-1][0]
-    assert system.role == "system" and "Today is" in system.content
+    assert system.role == "system"
     if told is None:
         assert "speaks" not in system.content
         assert "the user speaks en (detected)" in caplog.text
@@ -113,4 +119,4 @@ def test_a_default_session_answers_with_examples_but_not_when_functions_are_offe
     run(scenario())
     plain, with_tools = (seen[0].content for seen in llm.seen)
     assert ANSWER_EXAMPLES in plain
-    assert ANSWER_EXAMPLES not in with_tools and "Today is" in with_tools
+    assert ANSWER_EXAMPLES not in with_tools and with_tools.startswith(DEFAULT_INSTRUCTIONS)

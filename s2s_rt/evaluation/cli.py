@@ -64,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--speak-back", action="store_true", help="speak each typed answer and transcribe it back (intelligibility)"
     )
+    parser.add_argument("--seed", type=int, default=1234, help="sampling seed, reset before each answer")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -85,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         command += [flag for flag, on in (("--typed-only", args.typed_only), ("--no-tools", args.no_tools)) if on]
         command += ["--no-context"] if args.no_context else []
         command += ["--no-examples"] if args.no_examples else []
+        command += ["--seed", str(args.seed)]
         command += ["--instructions", args.instructions] if args.instructions is not None else []
         command += ["--temperature", str(args.temperature)] if args.temperature is not None else []
         command += ["--temperature-scale", str(args.temperature_scale)] if args.temperature_scale is not None else []
@@ -214,7 +216,7 @@ def _answer_one(args: argparse.Namespace) -> int:
         context=not args.no_context,
         examples=not args.no_examples,
     )
-    seed = _seeder()
+    seed = _seeder(args.seed)
     assistant.answer("Hello!")  # warm-up: first calls allocate
     typed = []
     for q in QUESTIONS:
@@ -254,6 +256,7 @@ def _answer_one(args: argparse.Namespace) -> int:
         "temperature_scale": getattr(stack.llm, "temperature_scale", 1.0),
         "context": assistant.context,
         "examples": assistant.examples,
+        "seed": args.seed,
         "rss_loaded_mb": loaded.rss_mb if loaded else None,
         "rss_peak_mb": finished.hwm_mb if finished else None,
         "load_average": os.getloadavg(),
@@ -265,11 +268,11 @@ def _answer_one(args: argparse.Namespace) -> int:
     return 0
 
 
-def _seeder() -> Any:
+def _seeder(seed: int) -> Any:
     """Reset CTranslate2's sampling seed before each answer, so sampled runs repeat."""
     import ctranslate2
 
-    return lambda: ctranslate2.set_random_seed(1234)
+    return lambda: ctranslate2.set_random_seed(seed)
 
 
 # --- the report --------------------------------------------------------------------------------
