@@ -113,12 +113,22 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: The local LLM samples at the session's temperature times this: small models answer best near
     #: greedy (0.8, the Realtime default, becomes 0.2; 0 is always greedy). Remote LLMs get it unscaled.
     llm_temperature_scale: float = 0.25
+    #: Tokens of conversation state the local LLM keeps between answers, so that an answer reads only
+    #: the new turn, not the whole conversation again (168 KB a token for the default model: 6000 ≈ 1 GB).
+    #: Past it the model is reloaded, forgetting them all. 0 turns it off.
+    llm_prefix_cache_tokens: int = 6000
+    #: The longest conversation (in tokens) whose state is kept; longer ones are read whole each answer.
+    llm_prefix_session_tokens: int = 2048
     #: The model cache (``$S2S_RT_MODELS``; default ``~/.cache/s2s-rt/models``).
     models: str | None = None
     #: Transcribe a turn once its closing silence has lasted this long, before
     #: ``silence_duration_ms`` ends it, so the answer starts sooner; the guess is
     #: dropped if speech returns. 0 turns it off; unset: 150 on the default stack, off on the fake one.
     speculate_after_ms: int | None = None
+    #: ``semantic_vad``: the shortest silence that ends a turn (when the words so far sound finished), and
+    #: how long a silence ends it while they have not been judged yet (the LLM busy, or a remote one).
+    semantic_min_silence_ms: int = 200
+    semantic_unknown_ms: int = 1200
     #: Threads inside one engine call, per engine kind.
     vad_threads: int = 1
     stt_threads: int = 1
@@ -173,6 +183,10 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ConfigError(f"event_loop must be 'asyncio' or 'uvloop', not {self.event_loop!r}")
         if min(self.max_output_mib, self.max_input_queue_mib, self.max_conversation_mib) <= 0:
             raise ConfigError("max_output_mib, max_input_queue_mib and max_conversation_mib must be positive")
+        if not 0 <= self.semantic_min_silence_ms <= self.semantic_unknown_ms <= 8000:
+            raise ConfigError("semantic_min_silence_ms <= semantic_unknown_ms must be within 0..8000")
+        if self.llm_prefix_cache_tokens < 0 or self.llm_prefix_session_tokens < 0:
+            raise ConfigError("llm_prefix_cache_tokens and llm_prefix_session_tokens must be 0 or more")
         for proxy in self.trusted_proxies:
             try:
                 ipaddress.ip_network(proxy, strict=False)

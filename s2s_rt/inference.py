@@ -50,7 +50,18 @@ class StagePool:
         self.executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"s2s-{stage}")
         #: Calls still running on a thread after their caller gave up (deadline or cancellation).
         self.overdue = 0
+        #: Engine calls and streams running on a thread now (overdue ones included).
+        self.running = 0
         self._lock = threading.Lock()
+
+    def _counted(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        with self._lock:
+            self.running += 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            with self._lock:
+                self.running -= 1
 
     def _set_capacity(self) -> None:
         # ThreadPoolExecutor starts a new thread per submit while below
@@ -89,7 +100,7 @@ class StagePool:
         """
         started = time.perf_counter()
         deadline = deadline_s or self.deadline_s
-        future = self.executor.submit(fn, *args, **kwargs)
+        future = self.executor.submit(self._counted, fn, *args, **kwargs)
         try:
             async with asyncio.timeout(deadline):
                 return await asyncio.wrap_future(future)
@@ -132,7 +143,7 @@ class StagePool:
                 loop.call_soon_threadsafe(pieces.put_nowait, _DONE)
 
         started = time.perf_counter()
-        future = self.executor.submit(produce)
+        future = self.executor.submit(self._counted, produce)
         finished = timed_out = False
         try:
             while True:

@@ -97,6 +97,7 @@ class Metrics:
         slot_states: Callable[[], dict[str, int]],
         hung_calls: Callable[[], int],
         held_bytes: Callable[[], dict[str, int]] = dict,
+        llm_prefixes: Callable[[], dict[str, int]] = dict,
     ) -> None:
         self.sessions_total = Counter("s2s_sessions_total", "Sessions started.")
         self.rejections = Counter("s2s_rejections_total", "Connections refused, by reason.")
@@ -108,6 +109,19 @@ class Metrics:
         self.turns = Counter("s2s_turns_total", "Responses finished, by status.")
         self.speculations = Counter(
             "s2s_speculative_stt_total", "Transcriptions started in a turn's closing silence, by outcome."
+        )
+        self.primes = Counter(
+            "s2s_llm_prefix_primes_total",
+            "Conversations read ahead after an answer so the next reads only its new turn, by outcome.",
+        )
+        self.speculative_responses = Counter(
+            "s2s_speculative_responses_total",
+            "Answers started in a turn's closing silence, by outcome (used, or discarded when speech returned).",
+        )
+        self.llm_prefixes = Gauge(
+            "s2s_llm_prefix_cache",
+            "The local LLM's kept conversation state: tokens and prefixes held, model reloads to forget them.",
+            lambda: {(("what", k),): float(v) for k, v in llm_prefixes().items()},
         )
         self.stage_latency = Histogram("s2s_stage_seconds", "Time per engine call, by stage.")
         self.turn_latency = Histogram(

@@ -42,6 +42,7 @@ from s2s_rt.protocol.errors import ProtocolError
 from s2s_rt.protocol.server_events import BETA, GA, encode_event
 from s2s_rt.protocol.session import Session
 from s2s_rt.slot import Slot
+from s2s_rt.turn import SemanticTurnEnd
 
 log = logging.getLogger("s2s_rt.server")
 
@@ -105,6 +106,8 @@ def load_stack(config: Config) -> Stack:
         tts_threads=config.tts_threads,
         languages=config.languages,
         llm_temperature_scale=config.llm_temperature_scale,
+        llm_prefix_cache_tokens=config.llm_prefix_cache_tokens,
+        llm_prefix_session_tokens=config.llm_prefix_session_tokens,
     )
     if remote is not None:
         stack.description.append(remote.describe())
@@ -128,7 +131,7 @@ class Server:
         self.draining = False
         self._per_ip: dict[str, int] = {}
         self._trusted = [ipaddress.ip_network(p, strict=False) for p in self.config.trusted_proxies]
-        self.metrics = Metrics(self._slot_states, self._overdue_calls, self._held_bytes)
+        self.metrics = Metrics(self._slot_states, self._overdue_calls, self._held_bytes, self._llm_prefixes)
         self.pool: Pool | None = None
         self.pools: dict[str, StagePool] = {}
         self.clock: ListeningClock | None = None
@@ -216,6 +219,9 @@ class Server:
                     cfg.speculate_after_ms
                     if cfg.speculate_after_ms is not None
                     else (150 if self.stack.name == "default" else 0)
+                ),
+                semantic=SemanticTurnEnd(
+                    min_silence_ms=cfg.semantic_min_silence_ms, unknown_ms=cfg.semantic_unknown_ms
                 ),
                 max_output_bytes=_mib(cfg.max_output_mib),
                 max_input_queue_bytes=_mib(cfg.max_input_queue_mib),
@@ -631,6 +637,13 @@ class Server:
 
     def _slot_states(self) -> dict[str, int]:
         return self.pool.states() if self.pool is not None else {}
+
+    def _llm_prefixes(self) -> dict[str, int]:
+        llm = self.stack.llm if self.stack is not None else None
+        prefixes = getattr(llm, "prefixes", None)
+        if prefixes is None:
+            return {}
+        return {"tokens": prefixes.held_tokens, "prefixes": len(prefixes), "reloads": getattr(llm, "reloads", 0)}
 
     def _held_bytes(self) -> dict[str, int]:
         held = {"output": 0, "input_audio": 0, "conversation": 0, "resampler_cache": 0}

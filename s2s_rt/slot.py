@@ -52,6 +52,7 @@ from s2s_rt.pipeline.transcribing import Transcriber
 from s2s_rt.pipeline.work import CloseRequest, SessionEnd, ms_to_samples
 from s2s_rt.protocol.errors import ProtocolError
 from s2s_rt.protocol.session import Session
+from s2s_rt.turn import SemanticTurnEnd
 
 if TYPE_CHECKING:
     from websockets.asyncio.server import ServerConnection
@@ -92,6 +93,7 @@ class Slot:
         max_input_buffer_s: most uncommitted input audio per session.
         send_timeout_s: how long one send may wait for a client that does not read.
         speculate_after_ms: silence after which a turn is transcribed ahead of its end (0: never).
+        semantic: the waits of ``semantic_vad`` turn detection.
         max_output_bytes: most bytes of encoded events a session may have waiting to be sent.
         max_input_queue_bytes: most bytes of decoded input audio waiting for the VAD stage.
     """
@@ -109,6 +111,7 @@ class Slot:
         max_input_buffer_s: float = 900.0,
         send_timeout_s: float = 10.0,
         speculate_after_ms: int = 0,
+        semantic: SemanticTurnEnd | None = None,
         max_output_bytes: int = 16 << 20,
         max_input_queue_bytes: int = 32 << 20,
     ) -> None:
@@ -133,12 +136,9 @@ class Slot:
         self.outbox.on_session_end = self._session_ended
         self.outbox.on_response_done = self._notify
         self.dispatch = Dispatcher(self)
-        self.listener = Listener(self, ms_to_samples(max_input_buffer_s * 1000), speculate_after_ms)
-        self._stages: tuple[Transcriber, Responder, Speaker] = (
-            Transcriber(self),
-            Responder(self),
-            Speaker(self),
-        )
+        self.listener = Listener(self, ms_to_samples(max_input_buffer_s * 1000), speculate_after_ms, semantic)
+        self.responder = Responder(self)
+        self._stages: tuple[Transcriber, Responder, Speaker] = (Transcriber(self), self.responder, Speaker(self))
         #: The task group the stages run in now (speculative work runs in it too).
         self.tg: asyncio.TaskGroup
         self._drained = asyncio.Event()
@@ -172,7 +172,7 @@ class Slot:
     async def attach(self, ws: ServerConnection, session: Session, client: str) -> None:
         """Bind a claimed slot to a new session and greet the client."""
         assert self.state is SlotState.ACTIVE and self.ctx is None
-        self.ctx = SessionContext(ws, session, self.stack.vad.new_state(), client)
+        self.ctx = SessionContext(ws, session, self.stack.vad.new_state(), client, self.listener.semantic)
         self.outbox.ws, self.outbox.session, self.outbox.client = ws, session, client
         self.sessions_served += 1
         self._drained.clear()

@@ -7,9 +7,10 @@ client streams in real time or faster.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
-from s2s_rt.protocol.config import TurnDetection
+from s2s_rt.protocol.config import EAGERNESS_MAX_MS, TurnDetection
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,24 +25,81 @@ class SpeechStop:
     audio_end_ms: float
 
 
+@dataclass(frozen=True, slots=True)
+class SemanticTurnEnd:
+    """How long ``semantic_vad`` waits in a silence, by how finished the words so far sound.
+
+    The probability that the user has finished comes from the chat LLM
+    reading the speculative transcript (its probability of ending the user's
+    turn there: :meth:`~s2s_rt.engines.llm.CT2ChatLLM.turn_end_probability`).
+    Measured on the default model (``../shared/MODELS.md``): fragments that
+    stop mid-phrase score below 0.001, complete questions 0.87–0.99, short
+    statements and commands 0.08–0.6. So it is a strong sign of "not
+    finished": at or above the eagerness's threshold the turn ends after
+    ``min_silence_ms``; below it the wait grows with the doubt, on a log
+    scale, up to OpenAI's maximum for the eagerness (2, 4 or 8 s) at a
+    hundredth of the threshold.
+
+    Args:
+        min_silence_ms: the turn never ends sooner.
+        unknown_ms: no probability yet (the transcript or the model is
+            still busy): the turn ends after this much silence anyway.
+        speculate_ms: silence after which the words so far are transcribed
+            and judged.
+        thresholds: probability at or above which the turn ends at once, per eagerness.
+    """
+
+    min_silence_ms: int = 200
+    unknown_ms: int = 1200
+    speculate_ms: int = 100
+    thresholds: dict[str, float] = field(
+        default_factory=lambda: {"high": 0.005, "medium": 0.02, "auto": 0.02, "low": 0.05}
+    )
+
+    def wait_ms(self, probability: float | None, eagerness: str) -> float:
+        """Silence needed to end the turn, given the probability that the user has finished."""
+        cap = EAGERNESS_MAX_MS[eagerness]
+        if probability is None:
+            return min(self.unknown_ms, cap)
+        threshold = self.thresholds[eagerness]
+        if probability >= threshold:
+            return self.min_silence_ms
+        doubt = min(1.0, math.log10(threshold / max(probability, 1e-12)) / 2)
+        return self.min_silence_ms + doubt * (cap - self.min_silence_ms)
+
+
 class TurnDetector:
     """Turns per-chunk speech probabilities into speech start and stop.
 
     Speech starts on the first chunk at or above ``threshold``; it continues
     while chunks stay above a slightly lower threshold (hysteresis, so a soft
-    syllable does not end a turn) and stops once ``silence_duration_ms`` of
-    audio has passed since the end of the last voiced chunk.
+    syllable does not end a turn) and stops once enough silence has passed
+    since the end of the last voiced chunk: ``silence_duration_ms`` for
+    ``server_vad``; for ``semantic_vad``, what :class:`SemanticTurnEnd` says
+    for :attr:`finished` (the probability that the words so far end the
+    turn, set by the listener; None until it is known).
 
     Args:
-        settings: the session's ``server_vad`` settings (read on every chunk,
+        settings: the session's turn detection settings (read on every chunk,
             so a ``session.update`` applies at once).
+        semantic: the waits of ``semantic_vad``.
     """
 
-    def __init__(self, settings: TurnDetection) -> None:
+    def __init__(self, settings: TurnDetection, semantic: SemanticTurnEnd | None = None) -> None:
         self.settings = settings
+        self.semantic = semantic or SemanticTurnEnd()
         self.speaking = False
         self.start_ms = 0.0
         self.last_voice_ms = 0.0
+        #: ``semantic_vad``: the probability that the user has finished, for the silence running now.
+        self.finished: float | None = None
+
+    def silence_needed_ms(self) -> float:
+        """How much silence ends the turn now."""
+        s = self.settings
+        if s.type != "semantic_vad":
+            return s.silence_duration_ms
+        return self.semantic.wait_ms(self.finished, s.eagerness)
 
     def feed(self, probability: float, chunk_start_ms: float, chunk_end_ms: float) -> SpeechStart | SpeechStop | None:
         """Account for one chunk; return the turn event it causes, if any."""
@@ -51,12 +109,14 @@ class TurnDetector:
                 self.speaking = True
                 self.start_ms = max(0.0, chunk_start_ms - s.prefix_padding_ms)
                 self.last_voice_ms = chunk_end_ms
+                self.finished = None
                 return SpeechStart(self.start_ms)
             return None
         if probability >= max(s.threshold - 0.15, 0.01):
             self.last_voice_ms = chunk_end_ms
+            self.finished = None  # the judgement was of words the user went on from
             return None
-        end = self.last_voice_ms + s.silence_duration_ms
+        end = self.last_voice_ms + self.silence_needed_ms()
         if chunk_end_ms >= end:
             self.speaking = False
             return SpeechStop(end)

@@ -30,6 +30,8 @@ def load_default_stack(
     vad_threads: int = 1,
     languages: Sequence[str] = (),
     llm_temperature_scale: float = 1.0,
+    llm_prefix_cache_tokens: int = 0,
+    llm_prefix_session_tokens: int = 2048,
 ) -> Stack:
     """Load each of the four engines once, for every slot of the process.
 
@@ -51,6 +53,9 @@ def load_default_stack(
             can answer only in those.
         llm_temperature_scale: multiplies every answer's temperature for
             the local LLM (see :class:`~s2s_rt.engines.llm.CT2ChatLLM`).
+        llm_prefix_cache_tokens, llm_prefix_session_tokens: the local LLM's
+            conversation state kept between answers (see
+            :meth:`~s2s_rt.engines.llm.CT2ChatLLM.prime`).
         llm: an LLM engine made elsewhere (a remote endpoint's) instead of
             loading ``llm_dir``; the caller describes it.
 
@@ -111,6 +116,8 @@ def load_default_stack(
                 intra_threads=llm_threads,
                 temperature_scale=llm_temperature_scale,
                 cached_system_prompts=_default_instructions(),
+                prefix_cache_tokens=llm_prefix_cache_tokens,
+                prefix_session_tokens=llm_prefix_session_tokens,
             ),
         )
         llm_lines.append(f"{local.describe()}; loaded in {load_seconds['LLM']:.2f} s")

@@ -90,6 +90,10 @@ class EchoLLM:
     def __init__(self, token_delay_ms: int = 0) -> None:
         self.token_delay_ms = token_delay_ms
 
+    def turn_end_probability(self, messages: Sequence[ChatMessage]) -> float:
+        """The fake model finds every utterance finished (``semantic_vad`` ends turns after its shortest wait)."""
+        return 0.9
+
     def stream(
         self,
         messages: Sequence[ChatMessage],

@@ -17,8 +17,11 @@ from __future__ import annotations
 import atexit
 import ctypes
 import ctypes.util
+import functools
 import json
+import math
 import re
+import threading
 import weakref
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
@@ -26,7 +29,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from s2s_rt.engines.base import ChatMessage, LLMUsage, StopCheck
-from s2s_rt.engines.prompt_cache import StaticPrefixes
+from s2s_rt.engines.prompt_cache import ConversationPrefixes, StaticPrefixes
 from s2s_rt.models.errors import PREPARE_COMMAND, ModelError
 from s2s_rt.toolcalls import chat_tool
 
@@ -560,6 +563,10 @@ class CT2ChatLLM:
             their first answer, so later answers skip reading them again (see
             :mod:`s2s_rt.engines.prompt_cache`); the server's default
             instructions, never a client's.
+        prefix_cache_tokens: tokens of conversation-prefix state kept between
+            answers (:meth:`prime`; 0: none); past it the model is reloaded,
+            which forgets them all.
+        prefix_session_tokens: the longest prefix kept for one conversation.
 
     Raises:
         ModelError: if a model file is missing, corrupt, or of an
@@ -579,6 +586,8 @@ class CT2ChatLLM:
         repetition_penalty: float = 1.0,
         temperature_scale: float = 1.0,
         cached_system_prompts: Sequence[str] = (),
+        prefix_cache_tokens: int = 0,
+        prefix_session_tokens: int = 2048,
     ) -> None:
         import ctranslate2
 
@@ -608,15 +617,22 @@ class CT2ChatLLM:
             ],
             cached_system_prompts,
         )
+        self._load = functools.partial(
+            ctranslate2.Generator,
+            str(model_dir),
+            device=device,
+            device_index=device_index,
+            compute_type=self.compute_type,
+            inter_threads=inter_threads,
+            intra_threads=intra_threads,
+        )
+        #: The conversation prefixes CTranslate2 holds (guarded by ``_lock``).
+        self.prefixes = ConversationPrefixes(prefix_cache_tokens, prefix_session_tokens)
+        self._lock = threading.Lock()
+        #: Times the model was reloaded to forget held prefixes.
+        self.reloads = 0
         try:
-            self._generator: ctranslate2.Generator | None = ctranslate2.Generator(
-                str(model_dir),
-                device=device,
-                device_index=device_index,
-                compute_type=self.compute_type,
-                inter_threads=inter_threads,
-                intra_threads=intra_threads,
-            )
+            self._generator: ctranslate2.Generator | None = self._load()
         except (RuntimeError, ValueError) as exc:
             raise ModelError(
                 f"cannot load the LLM in {model_dir} ({exc}); check it with `s2s-rt models verify`, "
@@ -680,7 +696,7 @@ class CT2ChatLLM:
             return
         temperature *= self.temperature_scale
         greedy = temperature <= GREEDY_TEMPERATURE
-        static, prompt = self._static.split(prompt)
+        static, prompt = self._split(prompt)
         steps = generator.generate_tokens(
             [self._vocabulary[i] for i in prompt],
             static_prompt=[self._vocabulary[i] for i in static] or None,
@@ -714,6 +730,82 @@ class CT2ChatLLM:
         rest = framing.finish() if framing is not None else ""
         if rest and not should_stop():
             yield rest
+
+    def _split(self, prompt: list[int]) -> tuple[list[int], list[int]]:
+        """The longest prefix of ``prompt`` whose state is held (or will be, a known system prompt), and the rest."""
+        with self._lock:
+            held = self.prefixes.find(prompt)
+            known, rest = self._static.split(prompt)
+            if len(held) > len(known):
+                return held, prompt[len(held) :]
+            if known:
+                # CTranslate2 keeps it from this answer on.
+                self.prefixes.add(known)
+            return known, rest
+
+    def prime(self, messages: Sequence[ChatMessage], tools: Sequence[dict[str, Any]] = ()) -> bool:
+        """Read ``messages`` now, so that the next answer after them reads only what follows.
+
+        ``messages`` is a conversation as the next answer's prompt will
+        begin (ending with the last answer); CTranslate2 keeps the model
+        state after it. The next :meth:`stream` whose prompt starts with it
+        reads only the new turn; one that does not (the conversation was
+        changed, or cut to fit the context) reads the whole prompt, as
+        without it. Past ``prefix_cache_tokens`` of held state the model is
+        reloaded first, forgetting every held prefix. Costs what reading
+        the conversation costs; run it when the model is otherwise idle.
+
+        Returns:
+            whether the state after ``messages`` is held now.
+        """
+        generator = self._generator
+        if generator is None or not self.prefixes.budget_tokens:
+            return False
+        chat = self._chat.encode(messages, tools)
+        prefix = [token for turn in chat.turns[:-1] for token in turn]
+        if len(prefix) + 64 > self.max_context_tokens:
+            return False  # the next answer will be cut to fit, and start differently
+        with self._lock:
+            if self.prefixes.holds(prefix):
+                return True
+            if not self.prefixes.worth_keeping(prefix):
+                return False
+            reload = not self.prefixes.fits(prefix)
+            if reload:
+                self.prefixes.clear()
+            self.prefixes.add(prefix)
+        if reload:
+            # Streams running on the old model finish on it; it is freed after them.
+            self._generator = generator = self._load()
+            self.reloads += 1
+        steps = generator.generate_tokens(
+            [self._vocabulary[chat.turns[-1][0]]],
+            static_prompt=[self._vocabulary[i] for i in prefix],
+            max_length=1,
+            sampling_topk=1,
+        )
+        for _step in steps:
+            break
+        steps.close()
+        return True
+
+    def turn_end_probability(self, messages: Sequence[ChatMessage]) -> float:
+        """The probability that the user's words (the last message) are all they meant to say.
+
+        It is the model's probability of ending the user's turn right after
+        them: one scoring pass over the conversation, no generation (40–80 ms
+        for a short one on two cores). Fragments that stop mid-phrase score
+        near 0, complete questions near 1 (``semantic_vad``:
+        :class:`~s2s_rt.turn.SemanticTurnEnd`).
+        """
+        generator = self._generator
+        if generator is None:
+            raise RuntimeError(f"the LLM engine for {self.model_dir} is closed")
+        tokens = [token for turn in self._chat.encode(messages).turns[:-1] for token in turn]
+        end = max(i for i, token in enumerate(tokens) if token == self._chat.end_id)
+        tokens = tokens[: end + 1][-self.max_context_tokens :]
+        scored = generator.score_batch([[self._vocabulary[i] for i in tokens]])[0]
+        return math.exp(scored.log_probs[-1])
 
     def count_tokens(self, messages: Sequence[ChatMessage], tools: Sequence[dict[str, Any]] = ()) -> int:
         """Return the prompt length of ``messages`` in tokens (with the chat markup)."""

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 from s2s_rt.pipeline.listening import ListeningState
 from s2s_rt.protocol.session import Session
+from s2s_rt.turn import SemanticTurnEnd
 
 if TYPE_CHECKING:
     from websockets.asyncio.server import ServerConnection
@@ -17,10 +18,12 @@ class SessionContext:
     The listening clock alone owns :attr:`listening`.
     """
 
-    def __init__(self, ws: ServerConnection, session: Session, vad_state: Any, client: str) -> None:
+    def __init__(
+        self, ws: ServerConnection, session: Session, vad_state: Any, client: str, semantic: SemanticTurnEnd
+    ) -> None:
         self.ws = ws
         self.session = session
         self.client = client
-        self.listening = ListeningState(vad_state, session.config.turn_detection, session.config.input_format)
+        self.listening = ListeningState(vad_state, session.config.turn_detection, session.config.input_format, semantic)
         #: The language the user last spoke (given by the session, or detected): answers are in it.
         self.language: str | None = None

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from s2s_rt.audio import AudioFormat, AudioFormatError, Resampler
-from s2s_rt.engines.base import PIPELINE_RATE, VAD, Float32Array, Transcript
+from s2s_rt.engines.base import PIPELINE_RATE, VAD, ChatMessage, Float32Array, Transcript
 from s2s_rt.inference import StagePool
 from s2s_rt.metrics import Metrics
 from s2s_rt.pipeline.work import (
@@ -43,7 +43,8 @@ from s2s_rt.pipeline.work import (
 )
 from s2s_rt.protocol.errors import ProtocolError
 from s2s_rt.protocol.server_events import ServerEvent, new_id
-from s2s_rt.turn import SpeechStart, SpeechStop, TurnDetector
+from s2s_rt.spoken_answer import DEFAULT_INSTRUCTIONS
+from s2s_rt.turn import SemanticTurnEnd, SpeechStart, SpeechStop, TurnDetector
 
 if TYPE_CHECKING:
     from s2s_rt.pipeline.context import SessionContext
@@ -119,12 +120,16 @@ class Speculation:
     task: asyncio.Task[Transcript | BaseException]
     #: Set by the worker thread when the engine call really starts.
     started: threading.Event
+    #: ``semantic_vad``: the probability that the words transcribed end the turn, once judged.
+    finished: float | None = None
 
 
 class ListeningState:
     """What the listening clock keeps about one session. Only the clock touches it."""
 
-    def __init__(self, vad_state: Any, turn_detection: Any, input_format: AudioFormat) -> None:
+    def __init__(
+        self, vad_state: Any, turn_detection: Any, input_format: AudioFormat, semantic: SemanticTurnEnd | None = None
+    ) -> None:
         self.vad_state = vad_state
         #: Raw audio and commands in arrival order, waiting for the clock.
         self.inbox: collections.deque[Any] = collections.deque()
@@ -137,7 +142,7 @@ class ListeningState:
         self.pending = np.zeros(0, np.float32)
         self.clock = 0  # samples of input audio fed to the VAD so far
         self.buffer = InputBuffer()
-        self.detector = TurnDetector(turn_detection) if turn_detection is not None else None
+        self.detector = TurnDetector(turn_detection, semantic) if turn_detection is not None else None
         self.turn_item_id: str | None = None
         self.speculation: Speculation | None = None
         #: A speculative engine call is running (wanted or not): no second one starts meanwhile.
@@ -338,10 +343,13 @@ class ListeningClock:
 class Listener:
     """One slot's listening logic, run by the :class:`ListeningClock` (never awaits)."""
 
-    def __init__(self, slot: Slot, max_input_samples: int, speculate_after_ms: int) -> None:
+    def __init__(
+        self, slot: Slot, max_input_samples: int, speculate_after_ms: int, semantic: SemanticTurnEnd | None = None
+    ) -> None:
         self.slot = slot
         self.max_input_samples = max_input_samples
         self.speculate_after_ms = speculate_after_ms
+        self.semantic = semantic or SemanticTurnEnd()
         self.chunk = slot.stack.vad.chunk_samples
 
     # --- arrival (the receive path) -------------------------------------------
@@ -405,6 +413,8 @@ class Listener:
         for prob in got.probabilities:
             start = ls.clock
             ls.clock += chunk
+            if detector.finished is None and ls.speculation is not None:
+                detector.finished = ls.speculation.finished
             turn = detector.feed(float(prob), samples_to_ms(start), samples_to_ms(ls.clock))
             if isinstance(turn, SpeechStart):
                 self._speech_started(ctx, turn)
@@ -479,7 +489,7 @@ class Listener:
             ls.detector = None
             self._drop_speculation(ls)
         elif ls.detector is None:
-            ls.detector = TurnDetector(td)
+            ls.detector = TurnDetector(td, self.semantic)
         else:
             ls.detector.settings = td
 
@@ -545,14 +555,20 @@ class Listener:
         """
         ls = ctx.listening
         detector = ls.detector
-        if detector is None or not self.speculate_after_ms:
+        if detector is None:
+            return
+        judge = detector.settings.type == "semantic_vad"
+        after_ms = self.speculate_after_ms
+        if judge:  # semantic_vad needs the words to judge them
+            after_ms = min(after_ms, self.semantic.speculate_ms) if after_ms else self.semantic.speculate_ms
+        if not after_ms:
             return
         silence_ms = samples_to_ms(ls.clock) - detector.last_voice_ms
         if ls.speculation is not None:
             if silence_ms == 0:
                 self._drop_speculation(ls)
             return
-        if silence_ms < self.speculate_after_ms or ls.speculating:
+        if silence_ms < after_ms or ls.speculating:
             return
         chunks, offset = ls.buffer.since(ms_to_samples(detector.start_ms))
         tr = ctx.session.config.transcription
@@ -575,12 +591,16 @@ class Listener:
         async def guess() -> Transcript | BaseException:
             # Never raises: its outcome is read by the STT stage, or nobody wants it.
             try:
-                return await self.slot.pools["stt"].call(transcribe)
+                heard = await self.slot.pools["stt"].call(transcribe)
             except Exception as exc:
                 return exc
+            if judge:
+                await self._judge(ctx, heard.text.strip(), speculation)
+            return heard
 
         ls.speculating = True
-        task = self.slot.tg.create_task(guess(), name=f"slot{self.slot.index}-speculation")
+        speculation = Speculation(None, started)  # type: ignore[arg-type]  # its task is made next
+        task = speculation.task = self.slot.tg.create_task(guess(), name=f"slot{self.slot.index}-speculation")
 
         scope = ctx.session.scope
 
@@ -591,7 +611,29 @@ class Listener:
 
         task.add_done_callback(finished)
         scope.on_close(task.cancel)
-        ls.speculation = Speculation(task, started)
+        ls.speculation = speculation
+
+    async def _judge(self, ctx: SessionContext, text: str, speculation: Speculation) -> None:
+        """``semantic_vad``: how likely the words so far end the user's turn (the chat LLM judges).
+
+        Left unknown if the model cannot judge (a remote LLM) or fails: the
+        turn then ends after :attr:`SemanticTurnEnd.unknown_ms` of silence.
+        """
+        if not text:  # nothing was said: no words to wait for
+            speculation.finished = 1.0
+            return
+        judge = getattr(self.slot.stack.llm, "turn_end_probability", None)
+        if judge is None:
+            return
+        messages, _ = ctx.session.next_prompt()
+        answer = next((m for m in reversed(messages) if m.role == "assistant"), None)
+        # The conversation's last answer gives the words their context; the client's instructions are left
+        # out (they can be long, and this is read within the silence).
+        judged = [ChatMessage("system", DEFAULT_INSTRUCTIONS), *([answer] if answer else []), ChatMessage("user", text)]
+        try:
+            speculation.finished = await self.slot.pools["llm"].call(judge, judged)
+        except Exception as exc:
+            log.warning("slot %d: judging the end of the turn failed: %r", self.slot.index, exc)
 
     def _idle_check(self, ctx: SessionContext) -> None:
         session = ctx.session

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import logging
@@ -25,6 +26,9 @@ if TYPE_CHECKING:
     from s2s_rt.slot import Slot
 
 log = logging.getLogger("s2s_rt.slot")
+
+#: How long reading a conversation ahead waits for the LLM to be free before giving up.
+PRIME_WAIT_S = 20.0
 
 
 class Responder:
@@ -142,6 +146,47 @@ class Responder:
         if rest and r.audio:
             await slot.tts_q.put(Speak(scope, r, rest))
         await slot.tts_q.put(ResponseEnd(scope, r, usage))
+
+    def prime_after(self, ctx: SessionContext) -> None:
+        """An answer ended: read the conversation so far into the LLM's kept state, in the background.
+
+        The next answer then reads only its new user turn (see
+        :meth:`~s2s_rt.engines.llm.CT2ChatLLM.prime`). It waits until no
+        answer is being generated (answers come first), runs while the user
+        speaks, and is cancelled with the session.
+        """
+        slot = self.slot
+        if getattr(slot.stack.llm, "prime", None) is None:
+            return
+        scope = ctx.session.scope
+        task = slot.tg.create_task(self._prime(ctx), name=f"slot{slot.index}-prime")
+        scope.on_close(task.cancel)
+        task.add_done_callback(lambda t: scope.forget(t.cancel))
+
+    async def _prime(self, ctx: SessionContext) -> None:
+        slot = self.slot
+        session = ctx.session
+        pool = slot.pools["llm"]
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + PRIME_WAIT_S
+        while pool.running and loop.time() < give_up:
+            await asyncio.sleep(0.05)
+        if pool.running or session.response is not None:
+            slot.metrics.primes.inc(outcome="busy")
+            return
+        messages, params = session.next_prompt()
+        tools, _ = offered_tools(params.tools, params.tool_choice)
+        # As the next answer will see it, up to its user turn (a question not about time: no date).
+        messages = with_answer_context([*messages, ChatMessage("user", "")], language=ctx.language, tools=bool(tools))[
+            :-1
+        ]
+        try:
+            held = await pool.call(slot.stack.llm.prime, messages, tools)  # type: ignore[attr-defined]
+        except Exception as exc:  # the next answer reads everything, as without it
+            log.warning("slot %d: reading the conversation ahead failed: %r", slot.index, exc)
+            slot.metrics.primes.inc(outcome="failed")
+            return
+        slot.metrics.primes.inc(outcome="held" if held else "skipped")
 
     async def _say(self, r: Response, part: TextPart | CallPart, clauses: ClauseSplitter, calls: list[str]) -> bool:
         """Route one piece of model output; returns whether it was speakable text."""

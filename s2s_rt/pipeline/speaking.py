@@ -58,6 +58,8 @@ class Speaker:
                 slot.metrics.turns.inc(status="completed")
             ctx.listening.idle_from = ctx.listening.clock
             await slot.outbox.emit(events, item.scope)
+            if events:
+                slot.responder.prime_after(ctx)
         elif not r.audio:
             await slot.outbox.emit(r.text_delta(item.text), item.scope)
         else:

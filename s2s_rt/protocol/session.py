@@ -444,6 +444,12 @@ class Session:
             items = [self.conversation.items[i] for i in self.conversation.order if i not in own]
         return build_prompt(r.params.instructions, items, self.conversation)
 
+    def next_prompt(self) -> tuple[list[ChatMessage], ResponseParams]:
+        """What the next default response would read before a new turn: the conversation so far, and its settings."""
+        params = self._response_params(ce.ResponseIn(), None)
+        items = [self.conversation.items[i] for i in self.conversation.order]
+        return build_prompt(params.instructions, items, self.conversation), params
+
     # --- events the pipeline reports -------------------------------------
 
     def speech_started(self, audio_start_ms: int, item_id: str) -> se.ServerEvent:

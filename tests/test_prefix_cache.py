@@ -1,0 +1,129 @@
+"""Don't re-read the conversation: its model state is kept between answers, within a bound."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import pytest
+from conftest import RealtimeClient, run
+
+from s2s_rt.config import Config
+from s2s_rt.engines.base import ChatMessage, LLMUsage
+from s2s_rt.engines.fake import EchoLLM, load_fake_stack
+from s2s_rt.engines.prompt_cache import ConversationPrefixes
+from s2s_rt.server import Server
+from s2s_rt.spoken_answer import DEFAULT_INSTRUCTIONS
+
+
+def test_the_longest_held_prefix_is_found_and_never_the_whole_prompt() -> None:
+    cache = ConversationPrefixes(budget_tokens=100, session_tokens=50)
+    cache.add([1, 2, 3])
+    cache.add([1, 2, 3, 4, 5])
+    cache.add([9, 9])
+    assert cache.find([1, 2, 3, 4, 5, 6]) == [1, 2, 3, 4, 5]
+    assert cache.find([1, 2, 3, 4, 7]) == [1, 2, 3]
+    assert cache.find([1, 2, 3, 4, 5]) == [1, 2, 3]  # something must be left to read
+    assert cache.find([2, 3]) == []
+    assert cache.held_tokens == 10 and len(cache) == 3
+
+
+def test_the_budget_and_the_session_bound() -> None:
+    cache = ConversationPrefixes(budget_tokens=10, session_tokens=6)
+    assert cache.worth_keeping([1] * 6) and not cache.worth_keeping([1] * 7) and not cache.worth_keeping([])
+    cache.add(list(range(6)))
+    cache.add(list(range(6)))  # the same prefix costs once
+    assert cache.held_tokens == 6
+    assert cache.fits([1] * 4) and not cache.fits([1] * 5)
+    cache.clear()
+    assert cache.held_tokens == 0 and cache.find(list(range(8))) == []
+
+
+class PrimingLLM(EchoLLM):
+    """The fake LLM, recording what it is asked to answer and to read ahead."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.answered: list[list[ChatMessage]] = []
+        self.primed: list[list[ChatMessage]] = []
+
+    def stream(self, messages: Sequence[ChatMessage], **options: Any) -> Iterator[str]:
+        self.answered.append(list(messages))
+        return super().stream(messages, **options)
+
+    def prime(self, messages: Sequence[ChatMessage], tools: Sequence[dict[str, Any]] = ()) -> bool:
+        self.primed.append(list(messages))
+        return True
+
+
+def test_after_each_answer_the_next_answers_prompt_up_to_its_user_turn_is_read_ahead() -> None:
+    llm = PrimingLLM()
+    stack = load_fake_stack()
+    stack.llm = llm
+
+    async def scenario() -> list[str]:
+        config = Config(port=0, stack="fake", pool_size=1, drain_timeout_s=2.0, grace_period_s=2.0)
+        async with Server(config, stack=stack) as server, RealtimeClient.connect(server) as c:
+            for text in ("Hello there", "Who painted the Mona Lisa?", "And the Night Watch?"):
+                await c.say_text(text)
+            for _ in range(100):  # the last read-ahead runs after response.done
+                if len(llm.primed) == 3:
+                    break
+                await asyncio.sleep(0.02)
+            return server.metrics.render().splitlines()
+
+    metrics = run(scenario())
+    assert len(llm.answered) == 3 and len(llm.primed) == 3
+    for primed, answered in zip(llm.primed[:2], llm.answered[1:], strict=True):
+        # Exactly what the next answer reads before its new user turn: its start is kept.
+        assert answered[: len(primed)] == primed and len(answered) == len(primed) + 1
+        assert primed[0] == ChatMessage("system", answered[0].content) and primed[-1].role == "assistant"
+    assert primed[0].content.startswith(DEFAULT_INSTRUCTIONS)
+    assert 's2s_llm_prefix_primes_total{outcome="held"} 3' in metrics
+
+
+@pytest.mark.slow
+def test_kept_state_answers_exactly_as_a_full_reading_and_stays_within_its_bound(default_models: object) -> None:
+    from s2s_rt.engines.llm import CT2ChatLLM
+    from s2s_rt.models import ensure_prepared
+
+    directory = ensure_prepared(progress=lambda _line: None).llm
+    assert directory is not None
+    plain = CT2ChatLLM(directory, intra_threads=2)
+    kept = CT2ChatLLM(directory, intra_threads=2, prefix_cache_tokens=400, prefix_session_tokens=300)
+
+    def answer(llm: CT2ChatLLM, messages: list[ChatMessage]) -> str:
+        usage = LLMUsage()
+        return "".join(llm.stream(messages, max_tokens=24, temperature=0.0, should_stop=lambda: False, usage=usage))
+
+    conversation = [ChatMessage("system", DEFAULT_INSTRUCTIONS)]
+    questions = ["What is the capital of France?", "And of Italy?", "How many legs does a spider have?"]
+    for question in questions:
+        assert kept.prime(conversation) or len(conversation) == 1  # a lone system message has nothing to keep
+        messages = [*conversation, ChatMessage("user", question)]
+        said = answer(kept, messages)
+        if len(conversation) > 1:  # the answer reads only its own turn
+            prompt = [t for turn in kept._chat.encode(messages).turns for t in turn]
+            primed = sum(map(len, kept._chat.encode(conversation).turns[:-1]))
+            assert len(kept._split(prompt)[0]) == primed
+        assert said == answer(plain, messages)  # greedy: the same tokens as reading it all
+        conversation += [ChatMessage("user", question), ChatMessage("assistant", said)]
+    assert kept.prefixes.held_tokens <= 400
+    # Conversations past the session bound are not kept; past the budget the model is reloaded.
+    long = list(conversation)
+    while kept.count_tokens(long) <= 300:
+        long += conversation[1:]
+    assert not kept.prime(long)
+    reloads = kept.reloads
+    for i in range(4):
+        other = [
+            ChatMessage("system", f"You are assistant number {i}. " * 12),
+            ChatMessage("user", "Hi"),
+            ChatMessage("assistant", "Hello!"),
+        ]
+        assert kept.prime(other)
+        assert kept.prefixes.held_tokens <= 400
+    assert kept.reloads > reloads
+    messages = [*conversation, ChatMessage("user", "Thanks!")]
+    assert answer(kept, messages) == answer(plain, messages)
