@@ -38,6 +38,25 @@ QUESTIONS: tuple[str, ...] = (
     "Name a fruit that is yellow.",
 )
 
+#: Questions said with a pause in the middle (0.7–1.0 s, where people stop to think): the first part
+#: alone is not a whole question, so a turn detector that ends the turn in the pause cuts the user off.
+PAUSED_QUESTIONS: tuple[tuple[str, str], ...] = (
+    ("I would like to book a table for", "four people at seven."),
+    ("Can you tell me the capital of", "Australia?"),
+    ("How many days are there in", "a leap year?"),
+    ("What is the tallest mountain in", "Europe?"),
+    ("Please remind me to call my", "mother tomorrow."),
+    ("How far is it from the Earth to", "the Moon?"),
+    ("What is the difference between a frog and", "a toad?"),
+    ("Could you tell me how to make", "a cup of tea?"),
+    ("How many minutes are there in", "two hours?"),
+    ("What is the boiling point of", "water in Fahrenheit?"),
+    ("Which animal is the largest", "in the ocean?"),
+    ("Tell me a word that rhymes with", "house."),
+)
+#: The pause inserted in each paused question, in turn (milliseconds of silence).
+PAUSES_MS: tuple[int, ...] = (700, 800, 900, 1000)
+
 #: A 10 ms frame is voiced when its RMS level reaches this (-40 dBFS); the fake
 #: stack's energy VAD uses the same level.
 VOICED_RMS = 0.01
@@ -125,6 +144,38 @@ def _tone() -> _Synth:
     return _Synth("tone", tts.sample_rate, speak)
 
 
+def _debian(source: str) -> _Synth:
+    from s2s_rt.engines.base import PIPELINE_RATE
+    from s2s_rt.evaluation.voices import Voice, say
+
+    engine, name = source.split(":", 1)
+    voice = Voice(engine, name)
+    return _Synth(source, PIPELINE_RATE, lambda text: say(voice, text))
+
+
+def load_paused_questions(
+    source: str = "piper",
+    *,
+    pairs: Sequence[tuple[str, str]] = PAUSED_QUESTIONS,
+    pauses_ms: Sequence[int] = PAUSES_MS,
+    directory: str | os.PathLike[str] | None = None,
+    models_dir: str | None = None,
+    progress: Progress = lambda line: None,
+) -> list[Clip]:
+    """Questions said in two parts with a pause between: each part a clip of :func:`load_questions`, joined."""
+    heads = load_questions(
+        source, texts=[a for a, _ in pairs], directory=directory, models_dir=models_dir, progress=progress
+    )
+    tails = load_questions(
+        source, texts=[b for _, b in pairs], directory=directory, models_dir=models_dir, progress=progress
+    )
+    clips = []
+    for i, (head, tail) in enumerate(zip(heads, tails, strict=True)):
+        pause = bytes(2 * RATE * pauses_ms[i % len(pauses_ms)] // 1000)
+        clips.append(Clip(f"{head.text} {tail.text}", head.pcm + pause + tail.pcm))
+    return clips
+
+
 def load_questions(
     source: str = "piper",
     *,
@@ -137,7 +188,9 @@ def load_questions(
 
     Args:
         source: ``piper`` (the default stack's voice; needs the prepared
-            models) or ``tone`` (the fake stack's tone TTS; needs nothing).
+            models), ``tone`` (the fake stack's tone TTS; needs nothing), or
+            a Debian voice, ``flite:NAME`` or ``espeak-ng:NAME`` (needs the
+            program: ``apt-get install flite espeak-ng``).
         texts: what to say.
         directory: the cache (see :func:`cache_dir`).
         models_dir: the model cache, for ``piper``.
@@ -147,8 +200,8 @@ def load_questions(
         ValueError: an unknown source.
         s2s_rt.models.ModelError: ``piper`` and the models are not prepared.
     """
-    if source not in ("piper", "tone"):
-        raise ValueError(f"unknown speech source {source!r}: use 'piper' or 'tone'")
+    if source not in ("piper", "tone") and not source.startswith(("flite:", "espeak-ng:")):
+        raise ValueError(f"unknown speech source {source!r}: use 'piper', 'tone', 'flite:NAME' or 'espeak-ng:NAME'")
     root = cache_dir(directory)
     root.mkdir(parents=True, exist_ok=True)
     synth: _Synth | None = None
@@ -161,7 +214,9 @@ def load_questions(
             clips.append(Clip(text, pcm_path.read_bytes()))
             continue
         if synth is None:
-            synth = _piper(models_dir, progress) if source == "piper" else _tone()
+            synth = (
+                _piper(models_dir, progress) if source == "piper" else _tone() if source == "tone" else _debian(source)
+            )
         audio = trim_to_voice(resample(synth.speak(text), synth.rate, RATE), RATE)
         pcm = float_to_pcm16(audio)
         tmp = pcm_path.with_suffix(".tmp")
@@ -177,8 +232,8 @@ def load_questions(
 
 def _source_key(source: str, models_dir: str | None) -> str:
     """What the cached audio depends on, without loading the TTS."""
-    if source == "tone":
-        return "tone"
+    if source != "piper":
+        return source
     from s2s_rt import models
 
     prepared = models.ensure_prepared(models_dir, progress=lambda line: None)

@@ -132,3 +132,28 @@ def test_load_script_counts_rejections_when_the_pool_is_full(tmp_path: Path) -> 
         assert report["ok"] is False
 
     run(scenario(), timeout=60)
+
+
+def test_load_script_counts_questions_cut_off_in_their_pause(tmp_path: Path) -> None:
+    """Paused questions (0.7-1.0 s mid-sentence): 300 ms of silence ends every turn in its pause; 1.5 s never does."""
+
+    def cut_off(*turn_detection: str) -> dict[str, Any]:
+        out = tmp_path / "report.json"
+        argv = [sys.executable, str(ROOT / "bin" / "s2s-rt-load"), "--spawn", "--stack", "fake", "--paused"]
+        argv += ["--sessions", "1", "--turns", "2", "--json", str(out), "--speech-cache", str(tmp_path / "speech")]
+        argv += [*QUICK, *turn_detection]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert done.returncode == 0, done.stdout + done.stderr
+        report: dict[str, Any] = json.loads(out.read_text())
+        assert report["settings"]["paused_speech"] is True
+        assert report["counts"]["turns_answered"] == 2
+        return report
+
+    eager = cut_off()
+    assert eager["cut_off_turns"] == 2
+    patient = cut_off("--silence-ms", "1500")
+    assert patient["cut_off_turns"] == 0
+    semantic = cut_off("--turn-detection", "semantic_vad", "--eagerness", "high")
+    assert semantic["settings"]["turn_detection"] == "semantic_vad"
+    # The fake model finds every pause a finished question: semantic_vad ends each turn at its shortest wait.
+    assert semantic["cut_off_turns"] == 2

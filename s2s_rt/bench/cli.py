@@ -19,7 +19,7 @@ from s2s_rt.bench.report import format_report
 from s2s_rt.bench.server import ServerHandle, server_env
 from s2s_rt.bench.suite import SUITE, run_suite
 from s2s_rt.bench.talk import run_talk
-from s2s_rt.speech_cache import load_questions
+from s2s_rt.speech_cache import load_paused_questions, load_questions
 
 INSTRUCTIONS = "You are a helpful voice assistant. Answer in one short sentence."
 
@@ -55,7 +55,14 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     load.add_argument("--chunk-ms", type=int, default=20, help="audio per append")
     load.add_argument("--pause-s", type=float, default=1.0, help="silence between an answer and the next question")
     load.add_argument("--ramp-s", type=float, default=2.0, help="sessions start at random moments within this")
-    load.add_argument("--speech", choices=["piper", "tone"], default="piper", help="who speaks the questions")
+    load.add_argument(
+        "--speech", default="piper", help="who speaks the questions: piper, tone, flite:NAME or espeak-ng:NAME"
+    )
+    load.add_argument(
+        "--paused", action="store_true", help="questions with a 0.7-1.0 s pause mid-sentence (counts cut-offs)"
+    )
+    load.add_argument("--turn-detection", choices=["server_vad", "semantic_vad"], default="server_vad")
+    load.add_argument("--eagerness", choices=["low", "medium", "high", "auto"], default="auto", help="semantic_vad")
     load.add_argument("--instructions", default=INSTRUCTIONS)
     load.add_argument("--temperature", type=float, default=0.0, help="0: greedy, the same answers every run")
     load.add_argument("--language", default="en", help="transcription language ('' to let the server detect)")
@@ -115,7 +122,7 @@ def _raise_fd_limit() -> None:
 async def run_async(opts: argparse.Namespace) -> dict[str, Any]:
     """Run what ``opts`` asks for; returns the report (printing nothing)."""
     clips = await asyncio.to_thread(
-        load_questions,
+        load_paused_questions if opts.paused else load_questions,
         opts.speech,
         directory=opts.speech_cache,
         progress=(lambda line: None) if opts.quiet else (lambda line: print(line, file=sys.stderr)),

@@ -99,12 +99,13 @@ def server_figures(
         "turn_first_audio": delta.histogram("s2s_turn_first_audio_seconds"),
         "errors": {dict(k[1]).get("code", ""): v for k, v in delta.values.items() if k[0] == "s2s_errors_total" and v},
         "rejections": delta.total("s2s_rejections_total"),
-        "speculative_transcriptions": {
-            dict(k[1]).get("outcome", ""): v
-            for k, v in delta.values.items()
-            if k[0] == "s2s_speculative_stt_total" and v
-        },
     }
+    for name, metric in (
+        ("speculative_transcriptions", "s2s_speculative_stt_total"),
+        ("speculative_responses", "s2s_speculative_responses_total"),
+        ("conversation_read_ahead", "s2s_llm_prefix_primes_total"),
+    ):
+        out[name] = {dict(k[1]).get("outcome", ""): v for k, v in delta.values.items() if k[0] == metric and v}
     if proc0 and proc1:
         cpu = proc1.cpu_s - proc0.cpu_s
         out |= {

@@ -41,6 +41,9 @@ def base_report(opts: argparse.Namespace, run: Run, server: ServerHandle, second
             "sessions": opts.sessions,
             "turns_per_session": opts.turns,
             "turns_per_connection": opts.turns_per_connection or opts.turns,
+            "turn_detection": opts.turn_detection,
+            "eagerness": opts.eagerness if opts.turn_detection == "semantic_vad" else None,
+            "paused_speech": opts.paused,
             "silence_duration_ms": opts.silence_ms,
             "prefix_padding_ms": opts.prefix_padding_ms,
             "threshold": opts.threshold,
@@ -58,6 +61,12 @@ def base_report(opts: argparse.Namespace, run: Run, server: ServerHandle, second
         "errors_by_code": run.errors,
         "failures": run.failures,
     }
+
+
+def _turn_detection(settings: dict[str, Any]) -> str:
+    if settings.get("turn_detection") == "semantic_vad":
+        return f"semantic_vad (eagerness {settings['eagerness']})"
+    return f"server_vad silence_duration_ms {settings['silence_duration_ms']}"
 
 
 def ms(v: float | None) -> str:
@@ -97,7 +106,8 @@ def format_report(report: dict[str, Any]) -> str:
     st = report["settings"]
     lines.append(
         f"server {st['url']} (stack {st['stack'] or '?'}, pool {st['pool_size'] or '?'}),"
-        f" silence_duration_ms {st['silence_duration_ms']}, {st['chunk_ms']} ms appends, speech: {st['speech']}"
+        f" {_turn_detection(st)}, {st['chunk_ms']} ms appends, speech: {st['speech']}"
+        + (" with a pause mid-sentence" if st.get("paused_speech") else "")
     )
     if report["mode"] == "talk":
         c = report["counts"]
@@ -109,6 +119,13 @@ def format_report(report: dict[str, Any]) -> str:
         for label, s in report["intervals_s"].items():
             lines.append(
                 f"{label:<52} {s['n']:>4} {ms(s['p50']):>8} {ms(s['p95']):>8} {ms(s['p99']):>8} {ms(s['max']):>8}"
+            )
+        lines.append(f"turns cut off (the turn ended inside the question): {report.get('cut_off_turns', 0)}")
+        by_turn = report.get("end_of_speech_to_first_audio_by_turn_in_conversation") or {}
+        if len(by_turn) > 1:
+            lines.append(
+                "end of speech → first audio p50 by turn in the conversation: "
+                + ", ".join(f"{k}: {ms(v['p50'])}" for k, v in by_turn.items())
             )
         con = report["contention"]
         lines.append(

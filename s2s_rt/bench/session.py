@@ -268,14 +268,19 @@ class SessionClient:
         if self.rejected or self.session_id is None:
             return False
         run.counts["sessions_opened"] += 1
-        td = {
-            "type": "server_vad",
-            "threshold": run.opts.threshold,
-            "prefix_padding_ms": run.opts.prefix_padding_ms,
-            "silence_duration_ms": run.opts.silence_ms,
+        td: dict[str, Any] = {
+            "type": run.opts.turn_detection,
             "create_response": self.respond,
             "interrupt_response": True,
         }
+        if run.opts.turn_detection == "semantic_vad":
+            td["eagerness"] = run.opts.eagerness
+        else:
+            td |= {
+                "threshold": run.opts.threshold,
+                "prefix_padding_ms": run.opts.prefix_padding_ms,
+                "silence_duration_ms": run.opts.silence_ms,
+            }
         session: dict[str, Any] = {
             "type": "realtime",
             "instructions": run.opts.instructions,

@@ -114,6 +114,8 @@ async def run_talk(opts: argparse.Namespace, server: ServerHandle, clips: list[C
         str(k + 1): summarize(v) for k, v in sorted(by_position.items())
     }
     report["contention"] = _contention(good)
+    # A question cut in two: the turn ended in its pause (a second speech_started within it).
+    report["cut_off_turns"] = sum(1 for t in run.turns if t.segments > 1)
     srv = server_figures(MetricsDelta(m0, m1), p0, p1, seconds)
     if "cpu_s" in srv:
         srv["cpu_s_per_turn"] = srv["cpu_s"] / len(good) if good else None

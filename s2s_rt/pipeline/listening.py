@@ -32,6 +32,9 @@ from s2s_rt.audio import AudioFormat, AudioFormatError, Resampler
 from s2s_rt.engines.base import PIPELINE_RATE, VAD, ChatMessage, Float32Array, Transcript
 from s2s_rt.inference import StagePool
 from s2s_rt.metrics import Metrics
+from s2s_rt.pipeline.anticipation import AnswerKey, Anticipation, can_anticipate
+from s2s_rt.pipeline.responding import ClauseSplitter
+from s2s_rt.pipeline.speaking import tts_voice
 from s2s_rt.pipeline.work import (
     AudioBytes,
     BufferCommand,
@@ -43,7 +46,9 @@ from s2s_rt.pipeline.work import (
 )
 from s2s_rt.protocol.errors import ProtocolError
 from s2s_rt.protocol.server_events import ServerEvent, new_id
-from s2s_rt.spoken_answer import DEFAULT_INSTRUCTIONS
+from s2s_rt.scope import Scope
+from s2s_rt.spoken_answer import DEFAULT_INSTRUCTIONS, with_answer_context
+from s2s_rt.toolcalls import offered_tools
 from s2s_rt.turn import SemanticTurnEnd, SpeechStart, SpeechStop, TurnDetector
 
 if TYPE_CHECKING:
@@ -145,6 +150,8 @@ class ListeningState:
         self.detector = TurnDetector(turn_detection, semantic) if turn_detection is not None else None
         self.turn_item_id: str | None = None
         self.speculation: Speculation | None = None
+        #: The answer to the speculative transcript, begun in the closing silence.
+        self.anticipation: Anticipation | None = None
         #: A speculative engine call is running (wanted or not): no second one starts meanwhile.
         self.speculating = False
         self.idle_from = 0  # sample clock when idle time started counting
@@ -523,6 +530,7 @@ class Listener:
         events += session.commit_audio(item_id)
         self._emit(ctx, events)
         speculation, ls.speculation = ls.speculation, None
+        anticipation, ls.anticipation = ls.anticipation, None
         if speculation is not None:
             slot.metrics.speculations.inc(outcome="used")
         self._to_stt(
@@ -534,6 +542,7 @@ class Listener:
                 td.create_response and not session.transcription_only,
                 speech_end,
                 speculation.task if speculation else None,
+                anticipation,
             ),
         )
 
@@ -543,6 +552,10 @@ class Listener:
             ls.speculation.task.cancel()
             ls.speculation = None
             self.slot.metrics.speculations.inc(outcome="discarded")
+        if ls.anticipation is not None:
+            ls.anticipation.drop("speech resumed")
+            ls.anticipation = None
+            self.slot.metrics.speculative_responses.inc(outcome="discarded")
 
     def _speculate(self, ctx: SessionContext) -> None:
         """While a turn's closing silence runs, transcribe what was said so far.
@@ -596,6 +609,7 @@ class Listener:
                 return exc
             if judge:
                 await self._judge(ctx, heard.text.strip(), speculation)
+            self._anticipate(ctx, heard, speculation)
             return heard
 
         ls.speculating = True
@@ -634,6 +648,46 @@ class Listener:
             speculation.finished = await self.slot.pools["llm"].call(judge, judged)
         except Exception as exc:
             log.warning("slot %d: judging the end of the turn failed: %r", self.slot.index, exc)
+
+    def _anticipate(self, ctx: SessionContext, heard: Transcript, speculation: Speculation) -> None:
+        """Begin answering the words transcribed in the closing silence, before the turn ends.
+
+        Only for a turn that will be answered (``create_response``, no
+        response running), and for ``semantic_vad`` only when the words
+        sounded finished (the turn is about to end). The answer is asked
+        exactly as the turn's response will ask it, so that it can adopt it.
+        """
+        slot = self.slot
+        session = ctx.session
+        ls = ctx.listening
+        detector = ls.detector
+        text = heard.text.strip()
+        if (
+            ls.speculation is not speculation
+            or ls.anticipation is not None
+            or detector is None
+            or not text
+            or not detector.settings.create_response
+            or session.transcription_only
+            or session.response is not None
+            or session.scope.stale
+            or not can_anticipate(slot.stack.llm)
+        ):
+            return
+        td = detector.settings
+        if td.type == "semantic_vad" and (
+            speculation.finished is None
+            or detector.semantic.wait_ms(speculation.finished, td.eagerness) > detector.semantic.min_silence_ms
+        ):
+            return
+        messages, params = session.next_prompt()
+        tools, must_call = offered_tools(params.tools, params.tool_choice)
+        language = heard.language or ctx.language
+        messages = with_answer_context([*messages, ChatMessage("user", text)], language=language, tools=bool(tools))
+        key = AnswerKey.of(messages, tools, must_call, params.temperature, params.token_limit)
+        ahead = ls.anticipation = Anticipation(key, Scope("anticipation", parent=session.scope))
+        speak = "audio" in params.modalities and not tools
+        ahead.start(slot, messages, ClauseSplitter() if speak else None, tts_voice(slot.stack, params.voice))
 
     def _idle_check(self, ctx: SessionContext) -> None:
         session = ctx.session

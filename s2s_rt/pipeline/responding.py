@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from s2s_rt.engines.base import AsyncLLM, ChatMessage, LLMError, LLMUsage
 from s2s_rt.inference import EngineTimeout
+from s2s_rt.pipeline.anticipation import AnswerKey, Anticipation
 from s2s_rt.pipeline.work import CallOut, ResponseEnd, ResponseRequest, SessionEnd, Speak, run_scoped
 from s2s_rt.spoken_answer import with_answer_context
 from s2s_rt.toolcalls import Call as CallPart
@@ -49,6 +50,8 @@ class Responder:
             return
         if item.scope.stale:
             slot.metrics.dropped_stale.inc(stage="llm")
+            if isinstance(item, ResponseRequest) and item.anticipation is not None:
+                item.anticipation.drop("response closed")
             return
         ctx = slot.ctx
         assert ctx is not None
@@ -62,6 +65,16 @@ class Responder:
         tools, must_call = offered_tools(r.params.tools, r.params.tool_choice)
         messages = with_answer_context(session.prompt(r), language=ctx.language, tools=bool(tools))
         usage = LLMUsage()
+        ahead = req.anticipation
+        if ahead is not None:
+            asked = AnswerKey.of(messages, tools, must_call, r.params.temperature, r.token_limit)
+            if ahead.key == asked and not ahead.scope.stale:
+                slot.metrics.speculative_responses.inc(outcome="used")
+                usage = ahead.usage
+            else:
+                ahead.drop("the response asks something else")
+                slot.metrics.speculative_responses.inc(outcome="unused")
+                ahead = None
 
         def stale() -> bool:
             return scope.stale
@@ -82,7 +95,10 @@ class Responder:
                     "require_tool": must_call,
                 }
                 pieces: contextlib.AbstractAsyncContextManager[AsyncIterator[str]]
-                if isinstance(llm, AsyncLLM):
+                if ahead is not None and attempt == 0:
+                    # Begun in the turn's closing silence: what it made so far, then the rest as it comes.
+                    pieces = contextlib.nullcontext(ahead.adopt(scope))
+                elif isinstance(llm, AsyncLLM):
                     # A remote model streams on the loop: no thread held, and closing it closes its connection.
                     pieces = contextlib.aclosing(_timed(llm.astream(messages, **options), slot.metrics))
                 else:
@@ -97,9 +113,9 @@ class Responder:
                         if timing is not None and timing.first_token is None:
                             timing.first_token = time.perf_counter()
                         for part in splitter.feed(piece):
-                            spoke |= await self._say(r, part, clauses, calls)
+                            spoke |= await self._say(r, part, clauses, calls, ahead)
                 for part in splitter.flush():
-                    spoke |= await self._say(r, part, clauses, calls)
+                    spoke |= await self._say(r, part, clauses, calls, ahead)
             except Exception as exc:
                 log.warning("slot %d: LLM failed: %r", slot.index, exc)
                 if not scope.stale:
@@ -188,7 +204,14 @@ class Responder:
             return
         slot.metrics.primes.inc(outcome="held" if held else "skipped")
 
-    async def _say(self, r: Response, part: TextPart | CallPart, clauses: ClauseSplitter, calls: list[str]) -> bool:
+    async def _say(
+        self,
+        r: Response,
+        part: TextPart | CallPart,
+        clauses: ClauseSplitter,
+        calls: list[str],
+        ahead: Anticipation | None = None,
+    ) -> bool:
         """Route one piece of model output; returns whether it was speakable text."""
         slot = self.slot
         if isinstance(part, CallPart):
@@ -201,7 +224,8 @@ class Responder:
             await slot.tts_q.put(Speak(r.scope, r, part.text))
         else:
             for clause in clauses.feed(part.text):
-                await slot.tts_q.put(Speak(r.scope, r, clause))
+                spoken = ahead.first_speech(clause) if ahead is not None else None
+                await slot.tts_q.put(Speak(r.scope, r, clause, spoken))
         return bool(part.text.strip())
 
 

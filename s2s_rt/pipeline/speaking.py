@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -79,15 +80,19 @@ class Speaker:
         resampler = self._resampler_for(job)
         fmt = r.params.output_format
         pieces: list[Float32Array] = []
+        ahead = await _spoken_ahead(job)
         try:
-            async for audio in slot.pools["tts"].stream(
-                lambda: slot.stack.tts.synthesize(
-                    job.text, voice=_voice(slot.stack, r.params.voice), should_stop=lambda: scope.stale
-                )
-            ):
-                if scope.stale:
-                    return
-                pieces.append(resampler.process(audio))
+            if ahead is not None:
+                pieces = [resampler.process(audio) for audio in ahead]
+            else:
+                async for audio in slot.pools["tts"].stream(
+                    lambda: slot.stack.tts.synthesize(
+                        job.text, voice=tts_voice(slot.stack, r.params.voice), should_stop=lambda: scope.stale
+                    )
+                ):
+                    if scope.stale:
+                        return
+                    pieces.append(resampler.process(audio))
         except Exception as exc:
             log.warning("slot %d: TTS failed: %r", slot.index, exc)
             if not scope.stale:
@@ -113,5 +118,16 @@ class Speaker:
         await slot.outbox.emit(r.audio_segment(chunks, job.text, ms), scope)
 
 
-def _voice(stack: Stack, voice: str) -> str | None:
+async def _spoken_ahead(job: Speak) -> list[Float32Array] | None:
+    """The clause's speech if it was synthesised ahead of the turn's end (None: synthesise it now)."""
+    task = job.ahead
+    if task is None:
+        return None
+    await asyncio.wait((task,))
+    if task.cancelled() or task.exception() is not None:
+        return None
+    return task.result()
+
+
+def tts_voice(stack: Stack, voice: str) -> str | None:
     return voice if voice in stack.tts.voices else None

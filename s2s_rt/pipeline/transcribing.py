@@ -46,6 +46,7 @@ class Transcriber:
         slot = self.slot
         session = ctx.session
         tr = session.config.transcription
+        ahead, job.anticipation = job.anticipation, None
         try:
             result: Transcript | BaseException
             if job.speculation is not None:
@@ -61,6 +62,8 @@ class Transcriber:
                 raise result
         except Exception as exc:
             log.warning("slot %d: transcription failed: %r", slot.index, exc)
+            if ahead is not None:
+                ahead.drop("transcription failed")
             slot.metrics.errors.inc(code="transcription_failed")
             await slot.outbox.emit(
                 session.transcription_failed(job.item_id, f"Transcription failed: {exc}"), session.scope
@@ -80,4 +83,7 @@ class Transcriber:
                 speech_end=job.speech_end, transcribed=time.perf_counter(), user_text=text
             )
             await slot.outbox.emit(events, session.scope)
-            await slot.llm_q.put(ResponseRequest(r.scope, r))
+            await slot.llm_q.put(ResponseRequest(r.scope, r, ahead))
+        elif ahead is not None:
+            ahead.drop("no response")
+            slot.metrics.speculative_responses.inc(outcome="unused")

@@ -18,6 +18,7 @@ from s2s_rt.engines.base import PIPELINE_RATE, Float32Array, LLMUsage, Transcrip
 from s2s_rt.scope import Scope
 
 if TYPE_CHECKING:
+    from s2s_rt.pipeline.anticipation import Anticipation
     from s2s_rt.protocol.response import Response
 
 
@@ -75,6 +76,8 @@ class ResponseRequest:
 
     scope: Scope
     response: Response
+    #: The answer begun in the turn's closing silence, to adopt if it asked the same.
+    anticipation: Anticipation | None = None
 
 
 @dataclass(slots=True)
@@ -86,6 +89,8 @@ class Transcribe:
     speech_end: float | None
     #: A transcription of this turn started during its closing silence, if any.
     speculation: asyncio.Task[Transcript | BaseException] | None = None
+    #: The answer to it begun in that silence, if any.
+    anticipation: Anticipation | None = None
 
 
 @dataclass(slots=True)
@@ -93,6 +98,8 @@ class Speak:
     scope: Scope
     response: Response
     text: str
+    #: Its speech, synthesised ahead of the turn's end (as the TTS engine made it).
+    ahead: asyncio.Task[list[Float32Array]] | None = None
 
 
 @dataclass(slots=True)

@@ -85,6 +85,12 @@ class ResponseParams:
     tools: list[dict[str, Any]] = field(default_factory=list)
     tool_choice: Any = "auto"
 
+    @property
+    def token_limit(self) -> int:
+        """Most tokens the answer may have."""
+        limit = self.max_output_tokens
+        return min(limit, MAX_OUTPUT_TOKENS_CAP) if isinstance(limit, int) else DEFAULT_MAX_OUTPUT_TOKENS
+
 
 class Response:
     """One response: its phase, its output items, and the events each step emits.
@@ -125,8 +131,7 @@ class Response:
 
     @property
     def token_limit(self) -> int:
-        limit = self.params.max_output_tokens
-        return min(limit, MAX_OUTPUT_TOKENS_CAP) if isinstance(limit, int) else DEFAULT_MAX_OUTPUT_TOKENS
+        return self.params.token_limit
 
     def _step(self, step: Step) -> None:
         nxt = TRANSITIONS.get((self.phase, step))

@@ -1,0 +1,166 @@
+"""Answering ahead: an answer begun in a turn's closing silence, held until the turn ends.
+
+When the words of a turn are transcribed before its silence has ended
+(:meth:`~s2s_rt.pipeline.listening.Listener._speculate`), the answer to them
+is started too: the LLM streams into an :class:`Anticipation`, and its first
+clause is synthesised as soon as it is complete. Nothing of it reaches the
+client: no response exists yet. When the turn ends, the turn's response
+adopts it if it would have asked the model exactly the same thing
+(:class:`AnswerKey`), reading the pieces made so far and then the rest as it
+comes; if speech returns first, or the response asks something else, the
+anticipation is dropped and its engine work stopped.
+
+An anticipation's scope is a child of its session's: it is stale when the
+listener drops it, when the session ends, or, once adopted, when the
+adopting response is cancelled or fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from s2s_rt.engines.base import AsyncLLM, ChatMessage, Float32Array, LLMUsage
+from s2s_rt.scope import Scope
+
+if TYPE_CHECKING:
+    from s2s_rt.slot import Slot
+
+log = logging.getLogger("s2s_rt.slot")
+
+
+@dataclass(frozen=True, slots=True)
+class AnswerKey:
+    """Everything the model is asked: an anticipation is adopted only by a response with the same key."""
+
+    messages: tuple[ChatMessage, ...]
+    tools: str
+    require_tool: bool
+    temperature: float
+    max_tokens: int
+
+    @classmethod
+    def of(
+        cls,
+        messages: Sequence[ChatMessage],
+        tools: Sequence[dict[str, Any]],
+        require_tool: bool,
+        temperature: float,
+        max_tokens: int,
+    ) -> AnswerKey:
+        return cls(tuple(messages), json.dumps(list(tools), sort_keys=True), require_tool, temperature, max_tokens)
+
+
+class Anticipation:
+    """An answer streaming ahead of its turn's end, and its first clause's speech.
+
+    Args:
+        key: what the model was asked.
+        scope: its cancellation scope (a child of the session's).
+    """
+
+    def __init__(self, key: AnswerKey, scope: Scope) -> None:
+        self.key = key
+        self.scope = scope
+        self.usage = LLMUsage()
+        self.pieces: list[str] = []
+        self.done = False
+        self.error: BaseException | None = None
+        self.adopted = False
+        self._changed = asyncio.Event()
+        #: The first clause, and its speech as the TTS engine made it (synthesised ahead).
+        self.first_clause: str | None = None
+        self.first_audio: asyncio.Task[list[Float32Array]] | None = None
+
+    def start(
+        self, slot: Slot, messages: Sequence[ChatMessage], splitter: Any | None, voice: str | None = None
+    ) -> None:
+        """Begin streaming the answer, and synthesising its first clause in ``voice`` if given a splitter.
+
+        Args:
+            splitter: a fresh clause splitter, as the LLM stage would cut the answer (None: text only).
+        """
+        task = slot.tg.create_task(self._run(slot, messages, splitter, voice), name=f"slot{slot.index}-ahead")
+        self.scope.on_close(task.cancel)
+        task.add_done_callback(lambda t: self.scope.forget(t.cancel))
+
+    async def _run(self, slot: Slot, messages: Sequence[ChatMessage], splitter: Any | None, voice: str | None) -> None:
+        llm = slot.stack.llm
+        key = self.key
+        options = {
+            "max_tokens": key.max_tokens,
+            "temperature": key.temperature,
+            "should_stop": lambda: self.scope.stale,
+            "usage": self.usage,
+            "tools": json.loads(key.tools),
+            "require_tool": key.require_tool,
+        }
+        try:
+            async for piece in slot.pools["llm"].stream(functools.partial(llm.stream, messages, **options)):
+                self.pieces.append(piece)
+                self._changed.set()
+                if splitter is not None and self.first_audio is None:
+                    clauses = splitter.feed(piece)
+                    if clauses:
+                        self.first_clause = clauses[0]
+                        self.first_audio = slot.tg.create_task(self._synthesize(slot, clauses[0], voice))
+                        self.scope.on_close(self.first_audio.cancel)
+        except Exception as exc:
+            self.error = exc
+        finally:
+            self.done = True
+            self._changed.set()
+
+    async def _synthesize(self, slot: Slot, text: str, voice: str | None) -> list[Float32Array]:
+        pieces: list[Float32Array] = []
+        async for audio in slot.pools["tts"].stream(
+            lambda: slot.stack.tts.synthesize(text, voice=voice, should_stop=lambda: self.scope.stale)
+        ):
+            pieces.append(audio)
+        return pieces
+
+    def adopt(self, response_scope: Scope) -> AsyncIterator[str]:
+        """The turn's response takes the answer: its pieces from the first, and the rest as they come.
+
+        From now on the answer stops when the response is cancelled or fails.
+        """
+        self.adopted = True
+        response_scope.on_close(lambda: self.scope.close("response closed"))
+        return self._pieces()
+
+    async def _pieces(self) -> AsyncIterator[str]:
+        i = 0
+        while True:
+            while i < len(self.pieces):
+                yield self.pieces[i]
+                i += 1
+            if self.done:
+                if self.error is not None:
+                    raise self.error
+                self.scope.release()
+                return
+            self._changed.clear()
+            if i == len(self.pieces) and not self.done:
+                await self._changed.wait()
+
+    def first_speech(self, clause: str) -> asyncio.Task[list[Float32Array]] | None:
+        """The speech synthesised ahead for ``clause``, if it is the first clause (given once)."""
+        audio, self.first_audio = self.first_audio, None
+        if audio is not None and clause != self.first_clause:
+            audio.cancel()
+            return None
+        return audio
+
+    def drop(self, reason: str) -> None:
+        """Not wanted: stop its engine work."""
+        self.scope.close(reason)
+
+
+def can_anticipate(llm: Any) -> bool:
+    """Answers run ahead only on a model in this process (a remote one streams on the loop, unheld)."""
+    return not isinstance(llm, AsyncLLM)

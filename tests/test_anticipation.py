@@ -1,0 +1,84 @@
+"""Answering ahead: an answer begun in the closing silence is used when the turn ends, and never seen otherwise."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from conftest import RealtimeClient, run, silence, tone
+
+from s2s_rt.config import Config
+from s2s_rt.server import Server
+
+PACE_S = 0.02  # 20 ms appends at real time: the speculation runs in the silence, as with a microphone
+
+
+def _config(**overrides: Any) -> Config:
+    base: dict[str, Any] = dict(
+        port=0, stack="fake", pool_size=1, drain_timeout_s=2.0, grace_period_s=2.0, speculate_after_ms=100
+    )
+    return Config(**(base | overrides))
+
+
+def _metric(server: Server, line: str) -> float:
+    for row in server.metrics.render().splitlines():
+        if row.startswith(line + " "):
+            return float(row.split()[-1])
+    return 0.0
+
+
+async def _talk(c: RealtimeClient, *parts: bytes) -> None:
+    for part in parts:
+        await c.append_audio(part, pace_s=PACE_S)
+
+
+def _said(events: list[dict[str, Any]]) -> str:
+    return "".join(e["delta"] for e in events if e["type"] == "response.output_audio_transcript.delta")
+
+
+def test_an_answer_begun_in_the_silence_is_the_turns_answer() -> None:
+    async def scenario() -> tuple[list[dict[str, Any]], float, float]:
+        async with Server(_config(fake_llm_token_delay_ms=20)) as server:
+            async with RealtimeClient.connect(server, transcribe=True) as c:
+                sender = asyncio.ensure_future(_talk(c, tone(300, 0.6), silence(1.5)))
+                await c.until("response.done", timeout=15)
+                await sender
+                used = _metric(server, 's2s_speculative_responses_total{outcome="used"}')
+                dropped = _metric(server, 's2s_speculative_responses_total{outcome="discarded"}')
+                return c.events, used, dropped
+
+    events, used, dropped = run(scenario())
+    heard = next(e for e in events if e["type"] == "conversation.item.input_audio_transcription.completed")
+    assert _said(events) == f"You said: {heard['transcript']}."
+    assert [e["type"] for e in events].count("response.created") == 1
+    assert (used, dropped) == (1, 0)
+    # Nothing of it came before the turn ended.
+    types = [e["type"] for e in events]
+    assert types.index("input_audio_buffer.speech_stopped") < types.index("response.created")
+
+
+def test_an_answer_begun_before_the_user_went_on_never_reaches_the_client() -> None:
+    async def scenario() -> tuple[list[dict[str, Any]], float, float]:
+        # A 300 ms pause: the speculation starts at 100 ms and the answer with it; then speech returns.
+        async with Server(_config(fake_llm_token_delay_ms=20)) as server:
+            async with RealtimeClient.connect(server, transcribe=True) as c:
+                sender = asyncio.ensure_future(_talk(c, tone(300, 0.6), silence(0.3), tone(300, 0.6), silence(1.5)))
+                await c.until("response.done", timeout=15)
+                await sender
+                await asyncio.sleep(0.3)
+                while True:  # anything still coming would be of the dropped answer
+                    try:
+                        await c.recv(timeout=0.3)
+                    except TimeoutError:
+                        break
+                used = _metric(server, 's2s_speculative_responses_total{outcome="used"}')
+                dropped = _metric(server, 's2s_speculative_responses_total{outcome="discarded"}')
+                return c.events, used, dropped
+
+    events, used, dropped = run(scenario())
+    heard = [e for e in events if e["type"] == "conversation.item.input_audio_transcription.completed"]
+    assert len(heard) == 1 and heard[0]["transcript"].startswith("heard 1")  # the whole turn: over a second
+    assert [e["type"] for e in events].count("response.created") == 1
+    assert [e["type"] for e in events].count("response.output_audio.delta") > 0
+    assert _said(events) == f"You said: {heard[0]['transcript']}."
+    assert dropped >= 1 and used == 1
