@@ -167,6 +167,9 @@ class SessionClient:
             return
         turn.response_done = now
         turn.status = status
+        usage = r.get("usage") or {}
+        turn.input_tokens = usage.get("input_tokens")
+        turn.cached_tokens = (usage.get("input_token_details") or {}).get("cached_tokens")
         with contextlib.suppress(IndexError, KeyError, TypeError):
             turn.answer = (r.get("output") or [])[0]["content"][0].get("transcript")
         turn.done.set()

@@ -41,6 +41,8 @@ class Turn:
     answer: str | None = None
     status: str | None = None
     answer_audio_s: float = 0.0
+    input_tokens: int | None = None
+    cached_tokens: int | None = None
     segments: int = 0
     cancelled: int = 0
     started_decision: float | None = None
@@ -80,6 +82,8 @@ class Turn:
             "answer": self.answer,
             "status": self.status,
             "answer_audio_s": round(self.answer_audio_s, 3),
+            "input_tokens": self.input_tokens,
+            "cached_tokens": self.cached_tokens,
             "segments": self.segments,
             "cancelled_responses": self.cancelled,
             "failure": self.failure,

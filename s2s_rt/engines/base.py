@@ -77,6 +77,8 @@ class ChatMessage:
 class LLMUsage:
     input_tokens: int = 0
     output_tokens: int = 0
+    #: Of the input tokens, those whose model state was kept from before (not read again).
+    cached_tokens: int = 0
 
 
 class LLM(Protocol):

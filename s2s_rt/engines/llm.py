@@ -696,7 +696,7 @@ class CT2ChatLLM:
             return
         temperature *= self.temperature_scale
         greedy = temperature <= GREEDY_TEMPERATURE
-        static, prompt = self._split(prompt)
+        static, prompt, usage.cached_tokens = self._split(prompt)
         steps = generator.generate_tokens(
             [self._vocabulary[i] for i in prompt],
             static_prompt=[self._vocabulary[i] for i in static] or None,
@@ -731,17 +731,19 @@ class CT2ChatLLM:
         if rest and not should_stop():
             yield rest
 
-    def _split(self, prompt: list[int]) -> tuple[list[int], list[int]]:
-        """The longest prefix of ``prompt`` whose state is held (or will be, a known system prompt), and the rest."""
+    def _split(self, prompt: list[int]) -> tuple[list[int], list[int], int]:
+        """The prompt's longest prefix whose state is held (or will be: a known system prompt), the rest,
+        and how many of its tokens need no reading."""
         with self._lock:
             held = self.prefixes.find(prompt)
             known, rest = self._static.split(prompt)
             if len(held) > len(known):
-                return held, prompt[len(held) :]
+                return held, prompt[len(held) :], len(held)
+            cached = len(known) if self.prefixes.holds(known) else 0
             if known:
                 # CTranslate2 keeps it from this answer on.
                 self.prefixes.add(known)
-            return known, rest
+            return known, rest, cached
 
     def prime(self, messages: Sequence[ChatMessage], tools: Sequence[dict[str, Any]] = ()) -> bool:
         """Read ``messages`` now, so that the next answer after them reads only what follows.

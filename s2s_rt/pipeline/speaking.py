@@ -54,6 +54,7 @@ class Speaker:
             await slot.outbox.emit(r.function_call(item.name, item.arguments), item.scope)
         elif isinstance(item, ResponseEnd):
             r.input_tokens, r.output_tokens = item.usage.input_tokens, item.usage.output_tokens
+            r.cached_tokens = item.usage.cached_tokens
             events = session.finish_response(r)
             if events:
                 slot.metrics.turns.inc(status="completed")

@@ -117,6 +117,7 @@ class Response:
         self.text = ""
         self.audio_ms = 0.0
         self.input_tokens = 0
+        self.cached_tokens = 0
         self.output_tokens = 0
 
     # --- properties ---------------------------------------------------------
@@ -370,7 +371,11 @@ class Response:
                 total_tokens=self.input_tokens + self.output_tokens,
                 input_tokens=self.input_tokens,
                 output_tokens=self.output_tokens,
-                input_token_details={"text_tokens": self.input_tokens, "audio_tokens": 0, "cached_tokens": 0},
+                input_token_details={
+                    "text_tokens": self.input_tokens,
+                    "audio_tokens": 0,
+                    "cached_tokens": self.cached_tokens,
+                },
                 output_token_details={"text_tokens": self.output_tokens, "audio_tokens": 0},
             )
         p = self.params
