@@ -119,8 +119,9 @@ class Metrics:
             "Answers started in a turn's closing silence, by outcome (used, or discarded when speech returned).",
         )
         self.llm_prefixes = Gauge(
-            "s2s_llm_prefix_cache",
-            "The local LLM's kept conversation state: tokens and prefixes held, model reloads to forget them.",
+            "s2s_llm_engine",
+            "The local LLM: conversation state kept (prefix_tokens, prefixes), model reloads to forget it,"
+            " answers resumed after giving way to one not yet heard.",
             lambda: {(("what", k),): float(v) for k, v in llm_prefixes().items()},
         )
         self.stage_latency = Histogram("s2s_stage_seconds", "Time per engine call, by stage.")

@@ -643,7 +643,13 @@ class Server:
         prefixes = getattr(llm, "prefixes", None)
         if prefixes is None:
             return {}
-        return {"tokens": prefixes.held_tokens, "prefixes": len(prefixes), "reloads": getattr(llm, "reloads", 0)}
+        turns = getattr(llm, "turns", None)
+        return {
+            "prefix_tokens": prefixes.held_tokens,
+            "prefixes": len(prefixes),
+            "reloads": getattr(llm, "reloads", 0),
+            "answers_resumed": turns.resumed if turns is not None else 0,
+        }
 
     def _held_bytes(self) -> dict[str, int]:
         held = {"output": 0, "input_audio": 0, "conversation": 0, "resampler_cache": 0}

@@ -128,3 +128,52 @@ def test_kept_state_answers_exactly_as_a_full_reading_and_stays_within_its_bound
     assert kept.reloads > reloads
     messages = [*conversation, ChatMessage("user", "Thanks!")]
     assert answer(kept, messages) == answer(plain, messages)
+
+
+@pytest.mark.slow
+def test_an_answer_being_heard_gives_way_to_one_not_yet_heard_and_resumes_where_it_was(default_models: object) -> None:
+    import threading
+    import time
+
+    from s2s_rt.engines.llm import CT2ChatLLM
+    from s2s_rt.models import ensure_prepared
+
+    directory = ensure_prepared(progress=lambda _line: None).llm
+    assert directory is not None
+    llm = CT2ChatLLM(directory, intra_threads=2)
+    long = [ChatMessage("system", "You are a storyteller."), ChatMessage("user", "Tell me a long story about a fox.")]
+    short = [ChatMessage("system", DEFAULT_INSTRUCTIONS), ChatMessage("user", "What is the capital of France?")]
+
+    def answer(messages: list[ChatMessage], urgent: Any, times: list[float]) -> str:
+        pieces = []
+        for piece in llm.stream(
+            messages, max_tokens=60, temperature=0.0, should_stop=lambda: False, usage=LLMUsage(), urgent=urgent
+        ):
+            times.append(time.perf_counter())
+            pieces.append(piece)
+        return "".join(pieces)
+
+    alone = answer(long, None, [])
+    results: dict[str, str] = {}
+    long_times: list[float] = []
+    short_times: list[float] = []
+    first_words = threading.Event()
+
+    def heard_long() -> bool:  # the long answer is being heard from its first piece on
+        first_words.set()
+        return False
+
+    t = threading.Thread(target=lambda: results.setdefault("long", answer(long, heard_long, long_times)))
+    t.start()
+    first_words.wait(10)
+    time.sleep(0.2)
+    results["short"] = answer(short, lambda: len(short_times) < 4, short_times)
+    t.join(60)
+    # It resumed where it was: what it had said stays, and it went on to its full length. (Greedy, the words
+    # after the resumption may differ where two tokens nearly tie: re-reading the answer so far in one pass
+    # rounds differently from decoding it token by token.)
+    said_before = "".join(alone)[:15]
+    assert results["long"].startswith(said_before) and len(results["long"]) >= len(alone) * 0.7
+    # The short answer's first words came long before the long answer ended, which waited for them.
+    assert short_times[0] < long_times[-1] - 0.5
+    assert llm.turns.resumed >= 1 and llm.turns.urgent == 0

@@ -23,7 +23,7 @@ import math
 import re
 import threading
 import weakref
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -631,6 +631,8 @@ class CT2ChatLLM:
         self._lock = threading.Lock()
         #: Times the model was reloaded to forget held prefixes.
         self.reloads = 0
+        #: Answers waiting for their first words go first.
+        self.turns = Turns()
         try:
             self._generator: ctranslate2.Generator | None = self._load()
         except (RuntimeError, ValueError) as exc:
@@ -667,6 +669,7 @@ class CT2ChatLLM:
         usage: LLMUsage,
         tools: Sequence[dict[str, Any]] = (),
         require_tool: bool = False,
+        urgent: Callable[[], bool] | None = None,
     ) -> Generator[str, None, None]:
         """Yield the assistant's answer to ``messages`` as pieces of text.
 
@@ -684,6 +687,11 @@ class CT2ChatLLM:
                 one by writing ``<tool_call>{"name": …, "arguments": {…}}</tool_call>``.
             require_tool: the answer must be a call: it starts with
                 ``<tool_call>`` already written.
+            urgent: True while the answer has not been heard yet (its first
+                clause not spoken). CTranslate2 decodes one answer at a time;
+                answers that are not urgent stop between tokens while another
+                is, and resume (reading what they said so far again) once
+                none is (:class:`Turns`).
         """
         generator = self._generator
         if generator is None:
@@ -697,36 +705,63 @@ class CT2ChatLLM:
         temperature *= self.temperature_scale
         greedy = temperature <= GREEDY_TEMPERATURE
         static, prompt, usage.cached_tokens = self._split(prompt)
-        steps = generator.generate_tokens(
-            [self._vocabulary[i] for i in prompt],
-            static_prompt=[self._vocabulary[i] for i in static] or None,
-            max_length=max_tokens,
-            sampling_topk=1 if greedy else SAMPLING_TOP_K,
-            sampling_topp=1.0 if greedy else SAMPLING_TOP_P,
-            sampling_temperature=1.0 if greedy else temperature,
-            repetition_penalty=self._repetition_penalty,
-            end_token=self._end_ids,
-            # Runs in CTranslate2's worker after each token: stops the decoding
-            # itself, not only our reading of it.
-            callback=lambda _step: should_stop(),
-        )
+        static_tokens = [self._vocabulary[i] for i in static] or None
+        said: list[int] = []  # the answer's tokens so far, read again when it resumes after giving way
         text = _TextStream(self._tokenizer)
         framing = _CallFraming(required=require_tool) if tools else None
+        turns = self.turns
+        waiting = urgent is not None and urgent()
+        if waiting:
+            turns.enter()
+
+        def give_way() -> bool:
+            # Runs in CTranslate2's worker after each token: stops the decoding itself, not only our reading of it.
+            return should_stop() or (not waiting and turns.urgent > 0)
+
         try:
-            for step in steps:
+            while True:
+                steps = generator.generate_tokens(
+                    [self._vocabulary[i] for i in prompt + said],
+                    static_prompt=static_tokens,
+                    max_length=max_tokens - len(said),
+                    sampling_topk=1 if greedy else SAMPLING_TOP_K,
+                    sampling_topp=1.0 if greedy else SAMPLING_TOP_P,
+                    sampling_temperature=1.0 if greedy else temperature,
+                    repetition_penalty=self._repetition_penalty,
+                    end_token=self._end_ids,
+                    callback=lambda _step: give_way(),
+                )
+                ended = False
+                try:
+                    for step in steps:
+                        if should_stop():
+                            return
+                        if step.token_id in self._end_ids:
+                            ended = True
+                            break
+                        said.append(step.token_id)
+                        usage.output_tokens += 1
+                        piece = text.push(step.token_id)
+                        if framing is not None:
+                            piece = framing.feed(piece)
+                        if piece:
+                            yield piece
+                        if waiting and urgent is not None and not urgent():
+                            waiting = False  # it has spoken: from now on it gives way to answers that have not
+                            turns.leave()
+                finally:
+                    # Closing tells CTranslate2 to stop at its next token and waits for it.
+                    steps.close()
+                if ended or len(said) >= max_tokens or should_stop():
+                    break
+                # Stopped short of its end: it gave way to an answer that has not spoken yet. Resume once none is.
+                turns.wait_clear(should_stop)
                 if should_stop():
                     return
-                if step.token_id in self._end_ids:
-                    break
-                usage.output_tokens += 1
-                piece = text.push(step.token_id)
-                if framing is not None:
-                    piece = framing.feed(piece)
-                if piece:
-                    yield piece
+                turns.resumed += 1
         finally:
-            # Closing tells CTranslate2 to stop at its next token and waits for it.
-            steps.close()
+            if waiting:
+                turns.leave()
         rest = framing.finish() if framing is not None else ""
         if rest and not should_stop():
             yield rest
@@ -841,6 +876,38 @@ class CT2ChatLLM:
             if isinstance(token, str) and (token_id := self._tokenizer.control_id(token)) is not None:
                 ids.append(token_id)
         return list(dict.fromkeys(ids))
+
+
+class Turns:
+    """Which answers are waiting for their first words: they decode before answers already being heard.
+
+    CTranslate2 runs one generation at a time per model (``inter_threads``
+    1): an answer asked for while another streams would wait for all of it.
+    An answer already being heard gives way instead, between two tokens,
+    and resumes when no answer is waiting for its first words.
+    """
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        #: Answers that have not spoken yet.
+        self.urgent = 0
+        #: Times an answer resumed after giving way.
+        self.resumed = 0
+
+    def enter(self) -> None:
+        with self._changed:
+            self.urgent += 1
+
+    def leave(self) -> None:
+        with self._changed:
+            self.urgent -= 1
+            self._changed.notify_all()
+
+    def wait_clear(self, should_stop: StopCheck) -> None:
+        """Block until no answer is urgent (or ``should_stop``)."""
+        with self._changed:
+            while self.urgent and not should_stop():
+                self._changed.wait(0.05)
 
 
 #: Engines still loaded, released before the interpreter shuts down.

@@ -100,6 +100,9 @@ class Anticipation:
             "tools": json.loads(key.tools),
             "require_tool": key.require_tool,
         }
+        if takes_turns(llm):
+            # Urgent until its first clause is cut (or, unspoken, its first words are out).
+            options["urgent"] = lambda: (self.first_clause is None) if splitter is not None else not self.pieces
         try:
             async for piece in slot.pools["llm"].stream(functools.partial(llm.stream, messages, **options)):
                 self.pieces.append(piece)
@@ -159,6 +162,11 @@ class Anticipation:
     def drop(self, reason: str) -> None:
         """Not wanted: stop its engine work."""
         self.scope.close(reason)
+
+
+def takes_turns(llm: Any) -> bool:
+    """Whether the engine lets answers that have not spoken go first (``urgent``, see ``CT2ChatLLM.stream``)."""
+    return getattr(llm, "turns", None) is not None
 
 
 def can_anticipate(llm: Any) -> bool:

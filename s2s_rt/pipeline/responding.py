@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from s2s_rt.engines.base import AsyncLLM, ChatMessage, LLMError, LLMUsage
 from s2s_rt.inference import EngineTimeout
-from s2s_rt.pipeline.anticipation import AnswerKey, Anticipation
+from s2s_rt.pipeline.anticipation import AnswerKey, Anticipation, takes_turns
 from s2s_rt.pipeline.work import CallOut, ResponseEnd, ResponseRequest, SessionEnd, Speak, run_scoped
 from s2s_rt.spoken_answer import with_answer_context
 from s2s_rt.toolcalls import Call as CallPart
@@ -37,6 +37,8 @@ class Responder:
 
     def __init__(self, slot: Slot) -> None:
         self.slot = slot
+        #: The answer being generated has its first words on their way (it then gives way to answers that do not).
+        self._heard = False
 
     async def run(self) -> None:
         while True:
@@ -81,6 +83,7 @@ class Responder:
 
         clauses = ClauseSplitter()
         spoke = False
+        self._heard = False
         for attempt in range(2):
             calls: list[str] = []
             splitter = ToolCallFilter()
@@ -94,6 +97,8 @@ class Responder:
                     "tools": tools,
                     "require_tool": must_call,
                 }
+                if takes_turns(llm):
+                    options["urgent"] = lambda: not self._heard
                 pieces: contextlib.AbstractAsyncContextManager[AsyncIterator[str]]
                 if ahead is not None and attempt == 0:
                     # Begun in the turn's closing silence: what it made so far, then the rest as it comes.
@@ -222,10 +227,12 @@ class Responder:
         if not r.audio:
             # Text goes through the TTS stage's queue too, so it stays in order with calls and the end.
             await slot.tts_q.put(Speak(r.scope, r, part.text))
+            self._heard = True
         else:
             for clause in clauses.feed(part.text):
                 spoken = ahead.first_speech(clause) if ahead is not None else None
                 await slot.tts_q.put(Speak(r.scope, r, clause, spoken))
+                self._heard = True
         return bool(part.text.strip())
 
 
