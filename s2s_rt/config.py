@@ -128,6 +128,9 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: ``semantic_vad``: the shortest silence that ends a turn (when the words so far sound finished), and
     #: how long a silence ends it while they have not been judged yet (the LLM busy, or a remote one).
     semantic_min_silence_ms: int = 200
+    #: An answer's first clause, spoken as soon as it is complete, is cut after this many words at most
+    #: (sooner at a comma or a sentence's end); later ones at sentence ends.
+    first_clause_words: int = 5
     semantic_unknown_ms: int = 1200
     #: Threads inside one engine call, per engine kind.
     vad_threads: int = 1
@@ -185,6 +188,8 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ConfigError("max_output_mib, max_input_queue_mib and max_conversation_mib must be positive")
         if not 0 <= self.semantic_min_silence_ms <= self.semantic_unknown_ms <= 8000:
             raise ConfigError("semantic_min_silence_ms <= semantic_unknown_ms must be within 0..8000")
+        if not 1 <= self.first_clause_words <= 50:
+            raise ConfigError("first_clause_words must be 1..50")
         if self.llm_prefix_cache_tokens < 0 or self.llm_prefix_session_tokens < 0:
             raise ConfigError("llm_prefix_cache_tokens and llm_prefix_session_tokens must be 0 or more")
         for proxy in self.trusted_proxies:

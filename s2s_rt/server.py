@@ -220,6 +220,7 @@ class Server:
                     if cfg.speculate_after_ms is not None
                     else (150 if self.stack.name == "default" else 0)
                 ),
+                first_clause_words=cfg.first_clause_words,
                 semantic=SemanticTurnEnd(
                     min_silence_ms=cfg.semantic_min_silence_ms, unknown_ms=cfg.semantic_unknown_ms
                 ),

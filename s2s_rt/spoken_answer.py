@@ -71,6 +71,7 @@ def with_answer_context(
     language: str | None = None,
     tools: bool = False,
     examples: bool = True,
+    date_with_question: bool = False,
 ) -> list[ChatMessage]:
     """``messages`` with :func:`answer_context` at the end of the system message.
 
@@ -87,9 +88,19 @@ def with_answer_context(
         language: the language the user spoke, if known.
         tools: functions are offered to the model.
         examples: add :data:`ANSWER_EXAMPLES` where they belong (off only to measure them).
+        date_with_question: put the date after the user's last words instead
+            of in the system message, which then stays the same from one
+            answer to the next (the server keeps the model state of the
+            conversation so far: see :meth:`s2s_rt.engines.llm.CT2ChatLLM.prime`).
     """
     said = next((m.content for m in reversed(messages) if m.role == "user"), "")
-    context = answer_context((now or datetime.now()) if _ABOUT_TIME.search(said) else None, language)
+    now = (now or datetime.now()) if _ABOUT_TIME.search(said) else None
+    if date_with_question and now is not None:
+        last = max(i for i, m in enumerate(messages) if m.role == "user")
+        dated = ChatMessage("user", f"{said}\n\n({answer_context(now)})")
+        messages = [*messages[:last], dated, *messages[last + 1 :]]
+        now = None
+    context = answer_context(now, language)
     system = messages[0].content if messages and messages[0].role == "system" else None
     if system is None:
         return [ChatMessage("system", context), *messages] if context else list(messages)

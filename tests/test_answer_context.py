@@ -120,3 +120,11 @@ def test_a_default_session_answers_with_examples_but_not_when_functions_are_offe
     plain, with_tools = (seen[0].content for seen in llm.seen)
     assert ANSWER_EXAMPLES in plain
     assert ANSWER_EXAMPLES not in with_tools and with_tools.startswith(DEFAULT_INSTRUCTIONS)
+
+
+def test_the_date_can_follow_the_question_so_the_system_message_stays_the_same() -> None:
+    about_time = [ChatMessage("system", "Be brief."), ChatMessage("user", "What day is it today?")]
+    other = [ChatMessage("system", "Be brief."), ChatMessage("user", "Who painted the Mona Lisa?")]
+    system, user = with_answer_context(about_time, now=THURSDAY, date_with_question=True)
+    assert system == with_answer_context(other, now=THURSDAY, date_with_question=True)[0]
+    assert user.content == "What day is it today?\n\n(Today is Thursday, June 12, 2025, and the time is 3:40 PM.)"

@@ -683,11 +683,18 @@ class Listener:
         messages, params = session.next_prompt()
         tools, must_call = offered_tools(params.tools, params.tool_choice)
         language = heard.language or ctx.language
-        messages = with_answer_context([*messages, ChatMessage("user", text)], language=language, tools=bool(tools))
+        messages = with_answer_context(
+            [*messages, ChatMessage("user", text)], language=language, tools=bool(tools), date_with_question=True
+        )
         key = AnswerKey.of(messages, tools, must_call, params.temperature, params.token_limit)
         ahead = ls.anticipation = Anticipation(key, Scope("anticipation", parent=session.scope))
         speak = "audio" in params.modalities and not tools
-        ahead.start(slot, messages, ClauseSplitter() if speak else None, tts_voice(slot.stack, params.voice))
+        ahead.start(
+            slot,
+            messages,
+            ClauseSplitter(first_words=slot.first_clause_words) if speak else None,
+            tts_voice(slot.stack, params.voice),
+        )
 
     def _idle_check(self, ctx: SessionContext) -> None:
         session = ctx.session

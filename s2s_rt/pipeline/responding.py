@@ -65,7 +65,9 @@ class Responder:
         r = req.response
         scope = req.scope
         tools, must_call = offered_tools(r.params.tools, r.params.tool_choice)
-        messages = with_answer_context(session.prompt(r), language=ctx.language, tools=bool(tools))
+        messages = with_answer_context(
+            session.prompt(r), language=ctx.language, tools=bool(tools), date_with_question=True
+        )
         usage = LLMUsage()
         ahead = req.anticipation
         if ahead is not None:
@@ -81,7 +83,7 @@ class Responder:
         def stale() -> bool:
             return scope.stale
 
-        clauses = ClauseSplitter()
+        clauses = ClauseSplitter(first_words=slot.first_clause_words)
         spoke = False
         self._heard = False
         for attempt in range(2):
