@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from conftest import RealtimeClient, live_server, run, silence, tone
+
+from s2s_rt.config import Config
+from s2s_rt.engines.base import Transcript
+from s2s_rt.engines.fake import load_fake_stack
+from s2s_rt.server import Server
 
 
 def test_intent_transcription_session_streams_deltas_and_completions_and_never_answers() -> None:
@@ -67,3 +74,36 @@ def test_a_conversation_streams_transcription_deltas_before_the_completion_when_
                 assert (await c.until("response.done"))["response"]["status"] == "completed"
 
     run(scenario())
+
+
+class CountingSTT:
+    """Says one word per 250 ms of audio, so a longer pass repeats a shorter one's words and adds to them."""
+
+    WORDS = "one two three four five six seven eight nine ten eleven twelve thirteen fourteen".split()
+
+    def transcribe(self, audio: Any, *, language: str | None = None, prompt: str | None = None) -> Transcript:
+        return Transcript(" ".join(self.WORDS[: max(1, len(audio) // 4000)]), "en")
+
+
+def test_a_transcription_session_streams_words_while_the_user_is_still_speaking() -> None:
+    stack = load_fake_stack()
+    stack.stt = CountingSTT()  # type: ignore[assignment]
+
+    async def scenario() -> list[dict[str, Any]]:
+        config = Config(port=0, stack="fake", pool_size=1, drain_timeout_s=2.0, grace_period_s=2.0)
+        async with Server(config, stack=stack) as server:
+            async with RealtimeClient.connect(server, path="/v1/realtime?intent=transcription") as c:
+                await c.until("session.created")
+                await c.append_audio(silence(0.2) + tone(300, 3.0) + silence(1.0), pace_s=0.02)
+                await c.until("conversation.item.input_audio_transcription.completed")
+                return c.events
+
+    events = run(scenario())
+    types = [e["type"] for e in events]
+    deltas = [e["delta"] for e in events if e["type"] == "conversation.item.input_audio_transcription.delta"]
+    done = next(e for e in events if e["type"] == "conversation.item.input_audio_transcription.completed")
+    # Words came while the user spoke (before the turn ended), and all deltas add up to the final transcript.
+    assert types.index("conversation.item.input_audio_transcription.delta") < types.index(
+        "input_audio_buffer.speech_stopped"
+    )
+    assert "".join(deltas) == done["transcript"] and len(deltas) == len(done["transcript"].split())

@@ -22,7 +22,7 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -56,6 +56,9 @@ if TYPE_CHECKING:
     from s2s_rt.slot import Slot
 
 log = logging.getLogger("s2s_rt.slot")
+
+#: A transcription session's words are transcribed this often while the user speaks (live captions).
+CAPTION_EVERY_MS = 1000
 
 
 @dataclass
@@ -155,6 +158,8 @@ class ListeningState:
         #: A speculative engine call is running (wanted or not): no second one starts meanwhile.
         self.speculating = False
         self.idle_from = 0  # sample clock when idle time started counting
+        #: Audio time of the last live-caption pass (transcription sessions).
+        self.captioned_ms = 0.0
 
     def backlog_s(self, now: float) -> float:
         """How long the oldest audio not yet heard has waited."""
@@ -564,26 +569,73 @@ class Listener:
         (or nearly); if speech returns, the guess is dropped — cancelled if
         its engine call has not begun, else left to finish unread, and no
         other speculation starts until it has: speculation never costs more
-        than one engine call at a time per session.
+        than one engine call at a time per session. In a transcription
+        session the words are also transcribed every second while the user
+        speaks, and the new ones streamed as deltas (live captions).
         """
         ls = ctx.listening
         detector = ls.detector
         if detector is None:
             return
+        silence_ms = samples_to_ms(ls.clock) - detector.last_voice_ms
+        if silence_ms == 0 and ctx.session.transcription_only:
+            self._caption(ctx)
         judge = detector.settings.type == "semantic_vad"
         after_ms = self.speculate_after_ms
         if judge:  # semantic_vad needs the words to judge them
             after_ms = min(after_ms, self.semantic.speculate_ms) if after_ms else self.semantic.speculate_ms
         if not after_ms:
             return
-        silence_ms = samples_to_ms(ls.clock) - detector.last_voice_ms
         if ls.speculation is not None:
             if silence_ms == 0:
                 self._drop_speculation(ls)
             return
         if silence_ms < after_ms or ls.speculating:
             return
-        chunks, offset = ls.buffer.since(ms_to_samples(detector.start_ms))
+
+        async def guess(heard: Transcript) -> Transcript:
+            if judge:
+                await self._judge(ctx, heard.text.strip(), speculation)
+            self._anticipate(ctx, heard, speculation)
+            return heard
+
+        task, started = self._transcribe_ahead(ctx, guess, "speculation")
+        speculation = ls.speculation = Speculation(task, started)
+
+    def _caption(self, ctx: SessionContext) -> None:
+        """A transcription session: transcribe the turn so far each second of speech, and stream the new words."""
+        ls = ctx.listening
+        detector = ls.detector
+        item_id = ls.turn_item_id
+        now_ms = samples_to_ms(ls.clock)
+        if (
+            detector is None
+            or item_id is None
+            or ls.speculating
+            or not ctx.session.transcribing
+            or now_ms - max(detector.start_ms, ls.captioned_ms) < CAPTION_EVERY_MS
+        ):
+            return
+        ls.captioned_ms = now_ms
+
+        async def caption(heard: Transcript) -> Transcript:
+            if ls.turn_item_id == item_id:  # the turn is still being spoken
+                self._emit(ctx, ctx.session.partly_heard(item_id, heard.text.strip()))
+            return heard
+
+        self._transcribe_ahead(ctx, caption, "caption")
+
+    def _transcribe_ahead(
+        self, ctx: SessionContext, then: Callable[[Transcript], Awaitable[Transcript]], what: str
+    ) -> tuple[asyncio.Task[Transcript | BaseException], threading.Event]:
+        """Transcribe the turn so far in the STT pool, then ``then`` on the loop; one such call at a time.
+
+        The task never raises (a failure is its result) and is cancelled
+        with the session; ``speculating`` is set until its engine call ends.
+        """
+        ls = ctx.listening
+        assert ls.detector is not None
+        chunks, offset = ls.buffer.since(ms_to_samples(ls.detector.start_ms))
         tr = ctx.session.config.transcription
         stt = self.slot.stack.stt
         started = threading.Event()
@@ -601,21 +653,16 @@ class Listener:
             finally:
                 loop.call_soon_threadsafe(done_running)
 
-        async def guess() -> Transcript | BaseException:
+        async def run() -> Transcript | BaseException:
             # Never raises: its outcome is read by the STT stage, or nobody wants it.
             try:
                 heard = await self.slot.pools["stt"].call(transcribe)
             except Exception as exc:
                 return exc
-            if judge:
-                await self._judge(ctx, heard.text.strip(), speculation)
-            self._anticipate(ctx, heard, speculation)
-            return heard
+            return await then(heard)
 
         ls.speculating = True
-        speculation = Speculation(None, started)  # type: ignore[arg-type]  # its task is made next
-        task = speculation.task = self.slot.tg.create_task(guess(), name=f"slot{self.slot.index}-speculation")
-
+        task = self.slot.tg.create_task(run(), name=f"slot{self.slot.index}-{what}")
         scope = ctx.session.scope
 
         def finished(t: asyncio.Task[Any]) -> None:
@@ -625,7 +672,7 @@ class Listener:
 
         task.add_done_callback(finished)
         scope.on_close(task.cancel)
-        ls.speculation = speculation
+        return task, started
 
     async def _judge(self, ctx: SessionContext, text: str, speculation: Speculation) -> None:
         """``semantic_vad``: how likely the words so far end the user's turn (the chat LLM judges).

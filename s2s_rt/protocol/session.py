@@ -13,6 +13,7 @@ drive it directly.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -74,6 +75,8 @@ class Session:
         self.response: Response | None = None
         #: Responses started in this session.
         self.turns = 0
+        #: Per item: the words already streamed as transcription deltas while the user spoke.
+        self._streamed: dict[str, str] = {}
 
     # --- event helpers -------------------------------------------------
 
@@ -264,9 +267,11 @@ class Session:
             return trimmed
         if item.content:
             item.content[0].transcript = text
+        streamed = self._streamed.pop(item_id, "")
+        rest = text[len(streamed) :] if _extends(text, streamed) else ""
         return [
             *trimmed,
-            *self._transcription_deltas(item_id, text),
+            *self._transcription_deltas(item_id, rest),
             self._ev(
                 se.TranscriptionCompleted,
                 "conversation.item.input_audio_transcription.completed",
@@ -277,9 +282,26 @@ class Session:
             ),
         ]
 
+    def partly_heard(self, item_id: str, text: str) -> list[se.ServerEvent]:
+        """Words of a turn the user is still speaking, transcribed so far: deltas for the new ones.
+
+        Deltas only add (a client appends them), so only words that extend
+        what was already streamed go out, and not the last one (the audio
+        may end inside it); the completed transcript, which may differ, has
+        the last word.
+        """
+        if not self.transcribing:
+            return []
+        words = text.split()
+        stable = " ".join(words[:-1])
+        streamed = self._streamed.get(item_id, "")
+        if len(stable) <= len(streamed) or not _extends(stable, streamed):
+            return []
+        self._streamed[item_id] = stable
+        return self._transcription_deltas(item_id, stable[len(streamed) :])
+
     def _transcription_deltas(self, item_id: str, text: str) -> list[se.ServerEvent]:
-        """The transcript as streamed deltas, a word each (a client may show them as they come)."""
-        pieces = [w if i == 0 else " " + w for i, w in enumerate(text.split(" "))]
+        """``text`` as streamed deltas, a word each with the space before it (a client appends them)."""
         return [
             self._ev(
                 se.TranscriptionDelta,
@@ -288,11 +310,11 @@ class Session:
                 content_index=0,
                 delta=piece,
             )
-            for piece in pieces
-            if piece.strip()
+            for piece in re.findall(r"\s*\S+", text)
         ]
 
     def transcription_failed(self, item_id: str, message: str) -> list[se.ServerEvent]:
+        self._streamed.pop(item_id, None)
         if not self.transcribing or item_id not in self.conversation.items:
             return []
         return [
@@ -463,6 +485,7 @@ class Session:
         )
 
     def buffer_cleared(self) -> se.ServerEvent:
+        self._streamed.clear()  # no turn is open any more
         return self._ev(se.BufferCleared, "input_audio_buffer.cleared")
 
     def timeout_triggered(self, start_ms: int, end_ms: int, item_id: str) -> list[se.ServerEvent]:
@@ -478,3 +501,8 @@ class Session:
                 item_id=item_id,
             )
         ]
+
+
+def _extends(text: str, prefix: str) -> bool:
+    """Whether ``text`` starts with the words of ``prefix`` (whole words)."""
+    return not prefix or text == prefix or text.startswith(prefix + " ")
