@@ -30,11 +30,14 @@ class SemanticTurnEnd:
     """How long ``semantic_vad`` waits in a silence, by how finished the words so far sound.
 
     The probability that the user has finished comes from the chat LLM
-    reading the speculative transcript (its probability of ending the user's
-    turn there: :meth:`~s2s_rt.engines.llm.CT2ChatLLM.turn_end_probability`).
-    Measured on the default model (``../shared/MODELS.md``): fragments that
-    stop mid-phrase score below 0.001, complete questions 0.87–0.99, short
-    statements and commands 0.08–0.6. So it is a strong sign of "not
+    reading the speculative transcript (its probability of ending a
+    sentence and the user's turn there:
+    :meth:`~s2s_rt.engines.llm.CT2ChatLLM.turn_end_probability`). Measured
+    on the default model: fragments that stop mid-phrase ("… a table for",
+    "… the capital of") score below 0.0001; questions 0.16–0.25; commands
+    and short replies 0.004–0.06 ("Set a timer for twenty minutes." 0.056,
+    "Yes" 0.008, "Thank you" 0.004); greetings alone less ("Good morning"
+    0.0006, "Hello" below 0.0001). So it is a strong sign of "not
     finished": at or above the eagerness's threshold the turn ends after
     ``min_silence_ms``; below it the wait grows with the doubt, on a log
     scale, up to OpenAI's maximum for the eagerness (2, 4 or 8 s) at a
@@ -53,7 +56,7 @@ class SemanticTurnEnd:
     unknown_ms: int = 1200
     speculate_ms: int = 100
     thresholds: dict[str, float] = field(
-        default_factory=lambda: {"high": 0.005, "medium": 0.02, "auto": 0.02, "low": 0.05}
+        default_factory=lambda: {"high": 0.001, "medium": 0.003, "auto": 0.003, "low": 0.01}
     )
 
     def wait_ms(self, probability: float | None, eagerness: str) -> float:

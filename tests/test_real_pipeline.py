@@ -190,3 +190,34 @@ def test_two_sessions_talking_at_once_each_hear_only_their_own_words() -> None:
                 other = next(k for k in questions if k != own)
                 text = " ".join(str(e) for e in events if e["type"] != "response.output_audio.delta").lower()
                 assert own in text and other not in text
+
+
+def test_semantic_vad_ends_a_finished_question_sooner_than_an_unfinished_one() -> None:
+    """The real VAD, Whisper and Qwen judging: the same silence ends "…of France?" and not "…a table for"."""
+
+    async def turn_end_ms(server: Server, text: str) -> float | None:
+        async with RealtimeClient.connect(server, transcribe=True) as c:
+            turn = {"type": "semantic_vad", "eagerness": "auto", "create_response": False}
+            await c.send("session.update", session={"audio": {"input": {"turn_detection": turn}}})
+            await c.until("session.updated")
+            pcm = speak(server, text)
+            sending = asyncio.create_task(stream(c, pcm, trailing_silence_s=1.5))
+            try:
+                stopped = await c.until("input_audio_buffer.speech_stopped", timeout=6)
+            except TimeoutError:
+                return None
+            finally:
+                await sending
+            started = c.of_type("input_audio_buffer.speech_started")[0]
+            # Silence the server waited: where it ended the turn, past the speech it heard.
+            return float(stopped["audio_end_ms"] - started["audio_start_ms"]) - 1000 * len(pcm) / 2 / RATE
+
+    async def scenario() -> tuple[float | None, float | None]:
+        async with real_server() as server:
+            finished = await turn_end_ms(server, "What is the capital of France?")
+            unfinished = await turn_end_ms(server, "I would like to book a table for")
+            return finished, unfinished
+
+    finished, unfinished = run(scenario(), timeout=120)
+    assert finished is not None and finished < 1000, finished  # ended within the 1.5 s of silence
+    assert unfinished is None or unfinished > finished + 500, (finished, unfinished)

@@ -47,7 +47,7 @@ from s2s_rt.pipeline.work import (
 from s2s_rt.protocol.errors import ProtocolError
 from s2s_rt.protocol.server_events import ServerEvent, new_id
 from s2s_rt.scope import Scope
-from s2s_rt.spoken_answer import DEFAULT_INSTRUCTIONS, with_answer_context
+from s2s_rt.spoken_answer import with_answer_context
 from s2s_rt.toolcalls import offered_tools
 from s2s_rt.turn import SemanticTurnEnd, SpeechStart, SpeechStop, TurnDetector
 
@@ -56,6 +56,10 @@ if TYPE_CHECKING:
     from s2s_rt.slot import Slot
 
 log = logging.getLogger("s2s_rt.slot")
+
+#: ``semantic_vad``: what the LLM reads to judge whether the user has finished (besides their words).
+JUDGE_SYSTEM = "You are a helpful voice assistant."
+JUDGED_ANSWER_CHARS = 200
 
 #: A transcription session's words are transcribed this often while the user speaks (live captions).
 CAPTION_EVERY_MS = 1000
@@ -688,9 +692,10 @@ class Listener:
             return
         messages, _ = ctx.session.next_prompt()
         answer = next((m for m in reversed(messages) if m.role == "assistant"), None)
-        # The conversation's last answer gives the words their context; the client's instructions are left
-        # out (they can be long, and this is read within the silence).
-        judged = [ChatMessage("system", DEFAULT_INSTRUCTIONS), *([answer] if answer else []), ChatMessage("user", text)]
+        # The conversation's last answer (its end) gives the words their context; the instructions are left
+        # out: this is read three times within the silence, so it is kept short.
+        context = [ChatMessage("assistant", answer.content[-JUDGED_ANSWER_CHARS:])] if answer else []
+        judged = [ChatMessage("system", JUDGE_SYSTEM), *context, ChatMessage("user", text)]
         try:
             speculation.finished = await self.slot.pools["llm"].call(judge, judged)
         except Exception as exc:
