@@ -82,3 +82,21 @@ def test_an_answer_begun_before_the_user_went_on_never_reaches_the_client() -> N
     assert [e["type"] for e in events].count("response.output_audio.delta") > 0
     assert _said(events) == f"You said: {heard[0]['transcript']}."
     assert dropped >= 1 and used == 1
+
+
+def test_an_answer_begun_before_the_instructions_changed_is_not_used() -> None:
+    async def scenario() -> tuple[list[dict[str, Any]], float, float]:
+        async with Server(_config(fake_llm_token_delay_ms=20)) as server:
+            async with RealtimeClient.connect(server, transcribe=True) as c:
+                await _talk(c, tone(300, 0.6), silence(0.3))  # the answer is begun 100 ms into this silence
+                await c.send("session.update", session={"instructions": "Answer in one word."})
+                await _talk(c, silence(1.2))
+                await c.until("response.done", timeout=15)
+                used = _metric(server, 's2s_speculative_responses_total{outcome="used"}')
+                unused = _metric(server, 's2s_speculative_responses_total{outcome="unused"}')
+                return c.events, used, unused
+
+    events, used, unused = run(scenario())
+    heard = next(e for e in events if e["type"] == "conversation.item.input_audio_transcription.completed")
+    assert (used, unused) == (0, 1)  # it asked the model something else: answered afresh
+    assert _said(events) == f"You said: {heard['transcript']}."
