@@ -30,14 +30,14 @@ class SemanticTurnEnd:
     """How long ``semantic_vad`` waits in a silence, by how finished the words so far sound.
 
     The probability that the user has finished comes from the chat LLM
-    reading the speculative transcript (its probability of ending a
-    sentence and the user's turn there:
-    :meth:`~s2s_rt.engines.llm.CT2ChatLLM.turn_end_probability`). Measured
-    on the default model: fragments that stop mid-phrase ("… a table for",
-    "… the capital of") score below 0.0001; questions 0.16–0.25; commands
-    and short replies 0.004–0.06 ("Set a timer for twenty minutes." 0.056,
-    "Yes" 0.008, "Thank you" 0.004); greetings alone less ("Good morning"
-    0.0006, "Hello" below 0.0001). So it is a strong sign of "not
+    reading the speculative transcript (its probability that the sentence
+    ends there: :meth:`~s2s_rt.engines.llm.CT2ChatLLM.turn_end_probability`).
+    Measured on the default model: fragments that stop mid-phrase ("… a
+    table for", "… the capital of", "… from the Earth to") score 0.0001 or
+    less; questions 0.08–0.85 ("Which animal is the largest" 0.08, "What
+    is the capital of France" 0.85); greetings 0.34–0.95; commands and
+    short replies 0.02–0.21 ("Yes" 0.021, "Tell me a joke" 0.024, "Set a
+    timer for twenty minutes" 0.11). So it is a strong sign of "not
     finished": at or above the eagerness's threshold the turn ends after
     ``min_silence_ms``; below it the wait grows with the doubt, on a log
     scale, up to OpenAI's maximum for the eagerness (2, 4 or 8 s) at a
@@ -56,7 +56,7 @@ class SemanticTurnEnd:
     unknown_ms: int = 1200
     speculate_ms: int = 100
     thresholds: dict[str, float] = field(
-        default_factory=lambda: {"high": 0.001, "medium": 0.003, "auto": 0.003, "low": 0.01}
+        default_factory=lambda: {"high": 0.002, "medium": 0.005, "auto": 0.005, "low": 0.01}
     )
 
     def wait_ms(self, probability: float | None, eagerness: str) -> float:

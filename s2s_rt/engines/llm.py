@@ -19,7 +19,6 @@ import ctypes
 import ctypes.util
 import functools
 import json
-import math
 import re
 import threading
 import weakref
@@ -27,6 +26,8 @@ from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
+
+import numpy as np
 
 from s2s_rt.engines.base import ChatMessage, LLMUsage, StopCheck
 from s2s_rt.engines.prompt_cache import ConversationPrefixes, StaticPrefixes
@@ -633,6 +634,8 @@ class CT2ChatLLM:
         self.reloads = 0
         #: Answers waiting for their first words go first.
         self.turns = Turns()
+        #: Token ids that end a sentence (``turn_end_probability``).
+        self._sentence_ends = [i for i, token in enumerate(self._vocabulary) if _SENTENCE_END.fullmatch(token)]
         try:
             self._generator: ctranslate2.Generator | None = self._load()
         except (RuntimeError, ValueError) as exc:
@@ -829,38 +832,36 @@ class CT2ChatLLM:
     def turn_end_probability(self, messages: Sequence[ChatMessage]) -> float:
         """The probability that the user's words (the last message) are all they meant to say.
 
-        It is the model's probability of ending a sentence right after the
-        words — a full stop, question mark or exclamation mark — and then
-        the user's turn. The recogniser's own punctuation is taken off
+        It is the model's probability that the user's sentence ends right
+        after the words: that its next token is a full stop, question mark
+        or exclamation mark. The recogniser's own punctuation is taken off
         first: Whisper closes a fragment cut at a pause with one ("I would
-        like to book a table for."), and the model, reading it, finds that
-        finished (0.41, against 0.97 for a question). Scored without it, a
-        fragment ending mid-phrase gets below 0.0001 and a question or a
-        command 0.01-0.25. One scoring pass of three short sequences, no
-        generation (:class:`~s2s_rt.turn.SemanticTurnEnd`).
+        like to book a table for."), and the model, reading that, found the
+        turn finished (0.41 for it, against 0.97 for a question). Read
+        without it, fragments that stop mid-phrase get 0.0001 or less,
+        questions, greetings and commands 0.02-0.95. One pass over a short
+        prompt and one step, no sampling (:class:`~s2s_rt.turn.SemanticTurnEnd`).
         """
         generator = self._generator
         if generator is None:
             raise RuntimeError(f"the LLM engine for {self.model_dir} is closed")
         *context, last = messages
         words = last.content.strip().rstrip(" .?!,;:…")
-        if not words:
+        if not words or not self._sentence_ends:
             return 1.0
-
-        def user_turn(text: str) -> list[int]:
-            tokens = [t for turn in self._chat.encode([*context, ChatMessage("user", text)]).turns[:-1] for t in turn]
-            end = max(i for i, token in enumerate(tokens) if token == self._chat.end_id)
-            return tokens[: end + 1][-self.max_context_tokens :]
-
-        said = user_turn(words)[:-1]  # the words, without the turn's end
-        endings = [user_turn(words + mark) for mark in _SENTENCE_ENDS]
-        scored = generator.score_batch([[self._vocabulary[i] for i in tokens] for tokens in endings])
-        probability = 0.0
-        for tokens, result in zip(endings, scored, strict=True):
-            same = next((i for i, (a, b) in enumerate(zip(said, tokens, strict=False)) if a != b), len(said))
-            # log_probs[i] is the log probability of token i + 1: the ending's tokens and the turn's end.
-            probability += math.exp(sum(result.log_probs[same - 1 :]))
-        return min(1.0, probability)
+        tokens = [t for turn in self._chat.encode([*context, ChatMessage("user", words)]).turns[:-1] for t in turn]
+        end = max(i for i, token in enumerate(tokens) if token == self._chat.end_id)
+        tokens = tokens[:end][-self.max_context_tokens :]  # up to the words, without the turn's end
+        result = generator.generate_batch(
+            [[self._vocabulary[i] for i in tokens]],
+            max_length=1,
+            sampling_topk=1,
+            return_logits_vocab=True,
+            include_prompt_in_result=False,
+        )[0]
+        logits = np.asarray(result.logits[0][0], dtype=np.float64)
+        probabilities = np.exp(logits - logits.max())
+        return float(probabilities[self._sentence_ends].sum() / probabilities.sum())
 
     def count_tokens(self, messages: Sequence[ChatMessage], tools: Sequence[dict[str, Any]] = ()) -> int:
         """Return the prompt length of ``messages`` in tokens (with the chat markup)."""
@@ -896,8 +897,9 @@ class CT2ChatLLM:
         return list(dict.fromkeys(ids))
 
 
-#: The marks a finished sentence ends with (``turn_end_probability``).
-_SENTENCE_ENDS = (".", "?", "!")
+#: Vocabulary entries that end a sentence: marks, then perhaps quotes and line breaks (byte-level BPE
+#: writes a space as "Ġ" and a line break as "Ċ"; SentencePiece a space as "▁").
+_SENTENCE_END = re.compile(r"[Ġ▁]?[.?!]+[\"')]*(Ċ|ĊĊ|<0x0A>)*")
 
 
 class Turns:
