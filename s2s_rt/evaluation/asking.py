@@ -87,7 +87,12 @@ class Assistant:
         messages.append(ChatMessage("user", text))
         if self.context:
             messages = with_answer_context(
-                messages, now=self.now, language=language, tools=tools, examples=self.examples
+                messages,
+                now=self.now,
+                language=language,
+                tools=tools,
+                examples=self.examples,
+                date_with_question=True,
             )
         return messages
 
