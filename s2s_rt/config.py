@@ -73,8 +73,6 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     listen_tick_ms: float = 20.0
     #: Most seconds of one session's audio heard per tick (50x real time at the defaults).
     listen_s_per_tick: float = 1.0
-    #: A tick's sessions are heard in this many batches at once, on as many threads (0: one per core).
-    listen_shards: int = 0
     #: A session whose audio has waited this long to be heard is closed alone (``audio_backlog_exceeded``).
     max_audio_backlog_s: float = 5.0
     #: While audio waits this long, no new session is admitted (``/readyz`` 503); again below half of it.
@@ -192,8 +190,6 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ConfigError("semantic_min_silence_ms <= semantic_unknown_ms must be within 0..8000")
         if not 1 <= self.first_clause_words <= 50:
             raise ConfigError("first_clause_words must be 1..50")
-        if self.listen_shards < 0:
-            raise ConfigError("listen_shards must be 0 (one per core) or more")
         if self.llm_prefix_cache_tokens < 0 or self.llm_prefix_session_tokens < 0:
             raise ConfigError("llm_prefix_cache_tokens and llm_prefix_session_tokens must be 0 or more")
         for proxy in self.trusted_proxies:

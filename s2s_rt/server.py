@@ -17,7 +17,6 @@ import hmac
 import ipaddress
 import json
 import logging
-import os
 import signal
 import time
 import urllib.parse
@@ -190,11 +189,8 @@ class Server:
     async def _main(self) -> None:
         cfg = self.config
         assert self.stack is not None
-        shards = cfg.listen_shards or max(
-            1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        )
         self.pools = {
-            "vad": StagePool("vad", shards, self.metrics, cfg.vad_timeout_s),
+            "vad": StagePool("vad", 1, self.metrics, cfg.vad_timeout_s),
             "stt": StagePool("stt", cfg.stage_workers, self.metrics, cfg.stt_timeout_s),
             "llm": StagePool("llm", cfg.stage_workers, self.metrics, cfg.llm_timeout_s),
             "tts": StagePool("tts", cfg.stage_workers, self.metrics, cfg.tts_timeout_s),
@@ -207,7 +203,6 @@ class Server:
             listen_s_per_tick=cfg.listen_s_per_tick,
             max_backlog_s=cfg.max_audio_backlog_s,
             shed_after_s=cfg.shed_after_ms / 1000,
-            shards=shards,
         )
         slots = [
             Slot(

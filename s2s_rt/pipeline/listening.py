@@ -246,9 +246,6 @@ class ListeningClock:
         listen_s_per_tick: most seconds of one session's audio in one batch.
         max_backlog_s: a session whose audio waits longer is closed alone.
         shed_after_s: past this backlog of the clock itself, no session is admitted.
-        shards: a tick's sessions are heard in this many batches at once (one
-            executor call each, on as many threads): VAD inference releases
-            the GIL, so the batches use more than one core.
     """
 
     def __init__(
@@ -261,10 +258,8 @@ class ListeningClock:
         listen_s_per_tick: float = 1.0,
         max_backlog_s: float = 5.0,
         shed_after_s: float = 0.25,
-        shards: int = 1,
     ) -> None:
         self.vad = vad
-        self.shards = max(1, shards)
         self.pool = pool
         self.metrics = metrics
         self.tick_s = tick_s
@@ -333,7 +328,7 @@ class ListeningClock:
             work.append((slot, ctx, ls, segments, ls.detector is not None))
         self._shed(lag)
         batch = [(ls, segments, score) for _, _, ls, segments, score in work if segments]
-        heard = await self._hear(batch)
+        heard = await self.pool.call(hear, self.vad, batch) if batch else []
         results = iter(heard)
         for slot, ctx, ls, segments, _ in work:
             got = next(results) if segments else None
@@ -349,19 +344,6 @@ class ListeningClock:
             slot.listener.commands(ctx)
             if ls.inbox:
                 self.wake(slot)
-
-    async def _hear(self, batch: list[tuple[ListeningState, list[AudioBytes], bool]]) -> list[Heard]:
-        """:func:`hear` ``batch``, in up to ``shards`` executor calls at once; results in ``batch``'s order."""
-        if not batch:
-            return []
-        n = min(self.shards, len(batch))
-        if n == 1:
-            return await self.pool.call(hear, self.vad, batch)
-        parts = await asyncio.gather(*(self.pool.call(hear, self.vad, batch[i::n]) for i in range(n)))
-        heard: list[Heard] = [None] * len(batch)  # type: ignore[list-item]
-        for i, part in enumerate(parts):
-            heard[i::n] = part
-        return heard
 
     def _shed(self, lag: float) -> None:
         self.lag_s = lag
