@@ -43,6 +43,8 @@ class AnswerKey:
     require_tool: bool
     temperature: float
     max_tokens: int
+    #: Not the model's, but the first clause's speech is made at it.
+    speed: float = 1.0
 
     @classmethod
     def of(
@@ -52,8 +54,10 @@ class AnswerKey:
         require_tool: bool,
         temperature: float,
         max_tokens: int,
+        speed: float = 1.0,
     ) -> AnswerKey:
-        return cls(tuple(messages), json.dumps(list(tools), sort_keys=True), require_tool, temperature, max_tokens)
+        tools_json = json.dumps(list(tools), sort_keys=True)
+        return cls(tuple(messages), tools_json, require_tool, temperature, max_tokens, speed)
 
 
 class Anticipation:
@@ -76,15 +80,22 @@ class Anticipation:
         #: The first clause, and its speech as the TTS engine made it (synthesised ahead).
         self.first_clause: str | None = None
         self.first_audio: asyncio.Task[list[Float32Array]] | None = None
+        self.speed = 1.0
 
     def start(
-        self, slot: Slot, messages: Sequence[ChatMessage], splitter: Any | None, voice: str | None = None
+        self,
+        slot: Slot,
+        messages: Sequence[ChatMessage],
+        splitter: Any | None,
+        voice: str | None = None,
+        speed: float = 1.0,
     ) -> None:
         """Begin streaming the answer, and synthesising its first clause in ``voice`` if given a splitter.
 
         Args:
             splitter: a fresh clause splitter, as the LLM stage would cut the answer (None: text only).
         """
+        self.speed = speed
         task = slot.tg.create_task(self._run(slot, messages, splitter, voice), name=f"slot{slot.index}-ahead")
         self.scope.on_close(task.cancel)
         task.add_done_callback(lambda t: self.scope.forget(t.cancel))
@@ -122,7 +133,7 @@ class Anticipation:
     async def _synthesize(self, slot: Slot, text: str, voice: str | None) -> list[Float32Array]:
         pieces: list[Float32Array] = []
         async for audio in slot.pools["tts"].stream(
-            lambda: slot.stack.tts.synthesize(text, voice=voice, should_stop=lambda: self.scope.stale)
+            lambda: slot.stack.tts.synthesize(text, voice=voice, should_stop=lambda: self.scope.stale, speed=self.speed)
         ):
             pieces.append(audio)
         return pieces

@@ -738,7 +738,7 @@ class Listener:
         messages = with_answer_context(
             [*messages, ChatMessage("user", text)], language=language, tools=bool(tools), date_with_question=True
         )
-        key = AnswerKey.of(messages, tools, must_call, params.temperature, params.token_limit)
+        key = AnswerKey.of(messages, tools, must_call, params.temperature, params.token_limit, params.speed)
         ahead = ls.anticipation = Anticipation(key, Scope("anticipation", parent=session.scope))
         speak = "audio" in params.modalities and not tools
         ahead.start(
@@ -746,6 +746,7 @@ class Listener:
             messages,
             ClauseSplitter(first_words=slot.first_clause_words) if speak else None,
             tts_voice(slot.stack, params.voice),
+            params.speed,
         )
 
     def _idle_check(self, ctx: SessionContext) -> None:

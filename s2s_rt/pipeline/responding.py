@@ -71,7 +71,7 @@ class Responder:
         usage = LLMUsage()
         ahead = req.anticipation
         if ahead is not None:
-            asked = AnswerKey.of(messages, tools, must_call, r.params.temperature, r.token_limit)
+            asked = AnswerKey.of(messages, tools, must_call, r.params.temperature, r.token_limit, r.params.speed)
             if ahead.key == asked and not ahead.scope.stale:
                 slot.metrics.speculative_responses.inc(outcome="used")
                 usage = ahead.usage

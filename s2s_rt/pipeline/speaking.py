@@ -88,7 +88,10 @@ class Speaker:
             else:
                 async for audio in slot.pools["tts"].stream(
                     lambda: slot.stack.tts.synthesize(
-                        job.text, voice=tts_voice(slot.stack, r.params.voice), should_stop=lambda: scope.stale
+                        job.text,
+                        voice=tts_voice(slot.stack, r.params.voice),
+                        should_stop=lambda: scope.stale,
+                        speed=r.params.speed,
                     )
                 ):
                     if scope.stale:

@@ -70,6 +70,7 @@ class SessionIn(Struct, kw_only=True):
     # beta
     modalities: list[str] | UnsetType | None = UNSET
     voice: str | UnsetType | None = UNSET
+    speed: float | UnsetType | None = UNSET
     input_audio_format: str | UnsetType | None = UNSET
     output_audio_format: str | UnsetType | None = UNSET
     input_audio_transcription: TranscriptionIn | UnsetType | None = UNSET

@@ -28,6 +28,9 @@ DEFAULT_MAX_OUTPUT_TOKENS = 1024
 #: Voice names of the hosted service; accepted and spoken with the default voice.
 OPENAI_VOICES = frozenset({"alloy", "ash", "ballad", "coral", "echo", "sage", "shimmer", "verse", "marin", "cedar"})
 
+#: Speaking rates the Realtime API allows (``audio.output.speed``).
+MIN_SPEED, MAX_SPEED = 0.25, 1.5
+
 #: Longest wait in the closing silence per ``semantic_vad`` eagerness (OpenAI's maxima).
 EAGERNESS_MAX_MS = {"low": 8000, "medium": 4000, "high": 2000, "auto": 4000}
 
@@ -64,6 +67,8 @@ class SessionConfig:
     )
     output_modalities: list[str] = field(default_factory=lambda: ["audio"])
     voice: str = ""
+    #: Speaking rate of the answers (``audio.output.speed``; beta ``speed``): 0.25-1.5, 1.0 the voice's own.
+    speed: float = 1.0
     input_format: AudioFormat = field(default_factory=AudioFormat)
     output_format: AudioFormat = field(default_factory=AudioFormat)
     #: Input transcription events are sent only when this is set (as OpenAI: off by default).
@@ -130,6 +135,12 @@ def apply_update(cfg: SessionConfig, ev: ce.SessionUpdate, voices: list[str]) ->
     voice = a_out.voice if a_out is not None and isinstance(a_out.voice, str) else patch.voice
     if isinstance(voice, str):
         new["voice"] = check_voice(voices, voice, eid, "session.voice")
+    speed = a_out.speed if a_out is not None and isinstance(a_out.speed, (int, float)) else patch.speed
+    if isinstance(speed, (int, float)) and not isinstance(speed, bool):
+        if not MIN_SPEED <= speed <= MAX_SPEED:
+            param = "audio.output.speed" if a_out is not None and a_out.speed is not UNSET else "speed"
+            raise fail("invalid_value", f"speed must be between {MIN_SPEED} and {MAX_SPEED}, not {speed}", param)
+        new["speed"] = float(speed)
     # Formats.
     try:
         if isinstance(patch.input_audio_format, str):
@@ -251,6 +262,7 @@ def render(cfg: SessionConfig, dialect: Dialect, session_id: str) -> dict[str, A
             "temperature": cfg.temperature,
             "modalities": _beta_modalities(cfg.output_modalities),
             "voice": cfg.voice,
+            "speed": cfg.speed,
             "input_audio_format": cfg.input_format.beta_name,
             "output_audio_format": cfg.output_format.beta_name,
             "input_audio_transcription": tr,
@@ -268,7 +280,7 @@ def render(cfg: SessionConfig, dialect: Dialect, session_id: str) -> dict[str, A
                 "turn_detection": td,
                 "noise_reduction": None,
             },
-            "output": {"format": render_format(cfg.output_format), "voice": cfg.voice, "speed": 1.0},
+            "output": {"format": render_format(cfg.output_format), "voice": cfg.voice, "speed": cfg.speed},
         },
         "max_output_tokens": cfg.max_output_tokens,
     }

@@ -84,6 +84,8 @@ class ResponseParams:
     metadata: dict[str, Any] | None
     tools: list[dict[str, Any]] = field(default_factory=list)
     tool_choice: Any = "auto"
+    #: Speaking rate (the session's ``audio.output.speed``).
+    speed: float = 1.0
 
     @property
     def token_limit(self) -> int:

@@ -410,6 +410,7 @@ class Session:
             metadata=p.metadata if isinstance(p.metadata, dict) else None,
             tools=tools,
             tool_choice=tool_choice,
+            speed=cfg.speed,
         )
 
     def _input_item(self, src: ce.ItemIn, event_id: str | None) -> se.Item:
