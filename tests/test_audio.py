@@ -86,3 +86,18 @@ def test_beta_format_names_map_to_ga_formats() -> None:
     assert AudioFormat.parse("pcm16") == AudioFormat("audio/pcm", 24_000)
     assert AudioFormat.parse("g711_ulaw").beta_name == "g711_ulaw"
     assert AudioFormat.parse("g711_alaw").type == "audio/pcma"
+
+
+def test_many_sessions_resampled_together_match_each_one_alone() -> None:
+    rng = np.random.default_rng(7)
+    for src, dst in ((24_000, 16_000), (48_000, 16_000), (8_000, 16_000), (22_050, 24_000), (16_000, 16_000)):
+        alone = [Resampler(src, dst) for _ in range(12)]
+        together = [Resampler(src, dst) for _ in range(12)]
+        for _ in range(25):
+            # Mostly one append length (the usual case), some odd ones and empty ones, so groups vary.
+            lengths = [int(rng.choice([480, 480, 480, 960, 0, int(rng.integers(1, 700))])) for _ in alone]
+            chunks = [rng.standard_normal(n).astype(np.float32) * 0.3 for n in lengths]
+            expected = [r.process(x) for r, x in zip(alone, chunks, strict=True)]
+            got = Resampler.process_many(together, chunks)
+            for e, g in zip(expected, got, strict=True):
+                assert e.shape == g.shape and np.allclose(e, g, atol=1e-6)

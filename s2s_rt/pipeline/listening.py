@@ -187,6 +187,28 @@ def _join(chunks: tuple[Float32Array, ...], offset: int) -> Float32Array:
     return audio[offset:]
 
 
+def _decode(ls: ListeningState, segments: list[AudioBytes]) -> Float32Array | AudioFormatError | None:
+    """A session's new audio decoded and joined, not yet resampled; None if its format changed within it."""
+    if any(seg.format != ls.format for seg in segments):
+        return None
+    try:
+        parts = [seg.format.decode(seg.data) for seg in segments]
+    except AudioFormatError as exc:
+        return exc
+    return parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.zeros(0, np.float32)
+
+
+def _resample_each(ls: ListeningState, segments: list[AudioBytes]) -> Float32Array:
+    """A session's new audio whose format changed within it: each piece with the resampler of its format."""
+    parts = []
+    for seg in segments:
+        if seg.format != ls.format:
+            ls.format = seg.format
+            ls.resampler = Resampler(seg.format.rate, PIPELINE_RATE)
+        parts.append(ls.resampler.process(seg.format.decode(seg.data)))
+    return parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.zeros(0, np.float32)
+
+
 def hear(vad: VAD, work: Sequence[tuple[ListeningState, list[AudioBytes], bool]]) -> list[Heard]:
     """Decode, resample and score every session's new audio (runs in the VAD worker thread).
 
@@ -197,15 +219,18 @@ def hear(vad: VAD, work: Sequence[tuple[ListeningState, list[AudioBytes], bool]]
     chunk = vad.chunk_samples
     heard: list[Heard] = []
     windows: list[Float32Array] = []
-    for ls, segments, score in work:
+    decoded = [_decode(ls, segments) for ls, segments, _ in work]
+    # Sessions whose audio is all in one format are resampled together (one product per chunk shape).
+    together = [i for i, d in enumerate(decoded) if isinstance(d, np.ndarray)]
+    new_audio = [d for d in decoded if isinstance(d, np.ndarray)]
+    resampled = Resampler.process_many([work[i][0].resampler for i in together], new_audio)
+    for i, samples in zip(together, resampled, strict=True):
+        decoded[i] = samples
+    for (ls, segments, score), result in zip(work, decoded, strict=True):
         try:
-            parts = []
-            for seg in segments:
-                if seg.format != ls.format:
-                    ls.format = seg.format
-                    ls.resampler = Resampler(seg.format.rate, PIPELINE_RATE)
-                parts.append(ls.resampler.process(seg.format.decode(seg.data)))
-            samples = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.zeros(0, np.float32)
+            if isinstance(result, AudioFormatError):
+                raise result
+            samples = result if isinstance(result, np.ndarray) else _resample_each(ls, segments)
         except AudioFormatError as exc:  # checked on arrival; a bug if it happens here
             heard.append(Heard(np.zeros(0, np.float32), np.zeros(0, np.float32), exc))
             windows.append(np.zeros((0, chunk), np.float32))
