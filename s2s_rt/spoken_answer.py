@@ -71,13 +71,13 @@ def with_answer_context(
     language: str | None = None,
     tools: bool = False,
     examples: bool = True,
-    date_with_question: bool = False,
 ) -> list[ChatMessage]:
-    """``messages`` with :func:`answer_context` at the end of the system message.
+    """``messages`` with the date after the user's last words and the language at the end of the system message.
 
-    The date and time are added when the user's last words are about time
-    ("What day is it?", "tomorrow", "how long until…"), the language when
-    it is not English. The server's default instructions get
+    The date and time follow the user's words when the answer is to them
+    (the last message) and they are about time ("What day is it?",
+    "tomorrow", "how long until…"); the language to answer in ends the
+    system message when it is not English. The server's default instructions get
     :data:`ANSWER_EXAMPLES` before the context when no functions are
     offered; a client's own instructions are left as they are. A
     conversation without a system message gets one only for a context.
@@ -88,19 +88,13 @@ def with_answer_context(
         language: the language the user spoke, if known.
         tools: functions are offered to the model.
         examples: add :data:`ANSWER_EXAMPLES` where they belong (off only to measure them).
-        date_with_question: put the date after the user's last words instead
-            of in the system message, which then stays the same from one
-            answer to the next (the server keeps the model state of the
-            conversation so far: see :meth:`s2s_rt.engines.llm.CT2ChatLLM.prime`).
     """
-    said = next((m.content for m in reversed(messages) if m.role == "user"), "")
-    now = (now or datetime.now()) if _ABOUT_TIME.search(said) else None
-    if date_with_question and now is not None:
-        last = max(i for i, m in enumerate(messages) if m.role == "user")
-        dated = ChatMessage("user", f"{said}\n\n({answer_context(now)})")
-        messages = [*messages[:last], dated, *messages[last + 1 :]]
-        now = None
-    context = answer_context(now, language)
+    if messages and messages[-1].role == "user" and _ABOUT_TIME.search(messages[-1].content):
+        # After the question, not in the system message, which then stays the same from one answer to
+        # the next (the server keeps the model state of the conversation so far: CT2ChatLLM.prime).
+        dated = f"{messages[-1].content}\n\n({answer_context(now or datetime.now())})"
+        messages = [*messages[:-1], ChatMessage("user", dated)]
+    context = answer_context(None, language)
     system = messages[0].content if messages and messages[0].role == "system" else None
     if system is None:
         return [ChatMessage("system", context), *messages] if context else list(messages)

@@ -31,16 +31,23 @@ def test_english_needs_no_language_instruction() -> None:
     assert "speaks" not in answer_context(THURSDAY, None)
 
 
-def test_a_question_about_time_gets_the_date_at_the_end_of_the_system_message() -> None:
+def test_a_question_about_time_gets_the_date_after_it_and_the_system_message_stays_the_same() -> None:
     messages = [ChatMessage("system", "Be brief."), ChatMessage("user", "What day is it today?")]
     system, user = with_answer_context(messages, now=THURSDAY)
-    assert system.content == "Be brief.\n\nToday is Thursday, June 12, 2025, and the time is 3:40 PM."
-    assert user == messages[1]
+    assert system == messages[0]
+    assert user.content == "What day is it today?\n\n(Today is Thursday, June 12, 2025, and the time is 3:40 PM.)"
 
 
 def test_other_questions_do_not_pay_for_reading_the_date() -> None:
     messages = [ChatMessage("system", "Be brief."), ChatMessage("user", "Who painted the Mona Lisa?")]
     assert with_answer_context(messages, now=THURSDAY) == messages
+    # Nor an earlier question about time: the date goes only with the words being answered.
+    answered = [
+        ChatMessage("system", "Be brief."),
+        ChatMessage("user", "What day is it?"),
+        ChatMessage("assistant", "Thursday."),
+    ]
+    assert with_answer_context(answered, now=THURSDAY) == answered
 
 
 def test_the_default_instructions_come_with_worked_examples() -> None:
@@ -57,9 +64,15 @@ def test_no_examples_when_functions_are_offered_or_the_client_gave_instructions(
 
 
 def test_a_conversation_without_instructions_gets_a_system_message_only_for_a_context() -> None:
-    system, user = with_answer_context([ChatMessage("user", "What time is it?")], now=THURSDAY)
-    assert (system.role, user.content) == ("system", "What time is it?")
-    assert "3:40 PM" in system.content
+    (user,) = with_answer_context([ChatMessage("user", "What time is it?")], now=THURSDAY)
+    assert user == ChatMessage(
+        "user", "What time is it?\n\n(Today is Thursday, June 12, 2025, and the time is 3:40 PM.)"
+    )
+    system, user = with_answer_context([ChatMessage("user", "Hallo")], language="de")
+    assert (system, user) == (
+        ChatMessage("system", "The user speaks German: answer in German."),
+        ChatMessage("user", "Hallo"),
+    )
     assert with_answer_context([ChatMessage("user", "Hi")]) == [ChatMessage("user", "Hi")]
 
 
@@ -120,11 +133,3 @@ def test_a_default_session_answers_with_examples_but_not_when_functions_are_offe
     plain, with_tools = (seen[0].content for seen in llm.seen)
     assert ANSWER_EXAMPLES in plain
     assert ANSWER_EXAMPLES not in with_tools and with_tools.startswith(DEFAULT_INSTRUCTIONS)
-
-
-def test_the_date_can_follow_the_question_so_the_system_message_stays_the_same() -> None:
-    about_time = [ChatMessage("system", "Be brief."), ChatMessage("user", "What day is it today?")]
-    other = [ChatMessage("system", "Be brief."), ChatMessage("user", "Who painted the Mona Lisa?")]
-    system, user = with_answer_context(about_time, now=THURSDAY, date_with_question=True)
-    assert system == with_answer_context(other, now=THURSDAY, date_with_question=True)[0]
-    assert user.content == "What day is it today?\n\n(Today is Thursday, June 12, 2025, and the time is 3:40 PM.)"

@@ -99,16 +99,21 @@ def check_answer_audio(server: Server, answer: str, audio: bytes) -> None:
     assert word_error_rate(answer, spoken) <= 0.30, (answer, spoken)
 
 
+async def check_spoken_turn(server: Server) -> None:
+    """A spoken question is heard within 20 % WER and answered aloud, in words Whisper hears back."""
+    async with RealtimeClient.connect(server, transcribe=True) as c:
+        await c.send("session.update", session=SETTINGS)
+        question = "What is the capital of France?"
+        heard, answer, audio = await ask(server, c, question)
+        assert word_error_rate(question, heard) <= 0.20, heard
+        assert answer.strip()
+        check_answer_audio(server, answer, audio)
+
+
 def test_spoken_question_is_heard_and_answered_aloud() -> None:
     async def scenario() -> None:
         async with real_server() as server:
-            async with RealtimeClient.connect(server, transcribe=True) as c:
-                await c.send("session.update", session=SETTINGS)
-                question = "What is the capital of France?"
-                heard, answer, audio = await ask(server, c, question)
-                assert word_error_rate(question, heard) <= 0.20, heard
-                assert answer.strip()
-                check_answer_audio(server, answer, audio)
+            await check_spoken_turn(server)
 
     run(scenario(), timeout=180)
 

@@ -14,6 +14,7 @@ so does CTranslate2's own converter with ``--copy_files``.
 
 from __future__ import annotations
 
+import abc
 import atexit
 import ctypes
 import ctypes.util
@@ -130,7 +131,7 @@ class ChatPrompt:
     pinned: int
 
 
-class ChatFormat:
+class ChatFormat(abc.ABC):
     """A chat model's turn markup, rendering a conversation as token ids.
 
     What every format shares, as Qwen2.5's template does it:
@@ -247,13 +248,13 @@ class ChatFormat:
         turns.append(self.opening(TOOL_CALL_OPEN + "\n" if tools and require_tool else ""))
         return ChatPrompt([*pinned, *turns], pinned=len(pinned))
 
+    @abc.abstractmethod
     def turn(self, role: str, content: str) -> list[int]:
         """One message as ids."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def opening(self, then: str) -> list[int]:
         """The start of the answer, followed by the text ``then``."""
-        raise NotImplementedError
 
     def _mark(self, token: str) -> list[int]:
         """A markup token by id (as text where the vocabulary lacks it: Mistral v0.1's [INST])."""

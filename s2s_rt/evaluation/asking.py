@@ -92,7 +92,6 @@ class Assistant:
                 language=language,
                 tools=tools,
                 examples=self.examples,
-                date_with_question=True,
             )
         return messages
 

@@ -75,12 +75,10 @@ class Anticipation:
         self.pieces: list[str] = []
         self.done = False
         self.error: BaseException | None = None
-        self.adopted = False
         self._changed = asyncio.Event()
         #: The first clause, and its speech as the TTS engine made it (synthesised ahead).
         self.first_clause: str | None = None
         self.first_audio: asyncio.Task[list[Float32Array]] | None = None
-        self.speed = 1.0
 
     def start(
         self,
@@ -88,14 +86,12 @@ class Anticipation:
         messages: Sequence[ChatMessage],
         splitter: Any | None,
         voice: str | None = None,
-        speed: float = 1.0,
     ) -> None:
         """Begin streaming the answer, and synthesising its first clause in ``voice`` if given a splitter.
 
         Args:
             splitter: a fresh clause splitter, as the LLM stage would cut the answer (None: text only).
         """
-        self.speed = speed
         task = slot.tg.create_task(self._run(slot, messages, splitter, voice), name=f"slot{slot.index}-ahead")
         self.scope.on_close(task.cancel)
         task.add_done_callback(lambda t: self.scope.forget(t.cancel))
@@ -133,7 +129,9 @@ class Anticipation:
     async def _synthesize(self, slot: Slot, text: str, voice: str | None) -> list[Float32Array]:
         pieces: list[Float32Array] = []
         async for audio in slot.pools["tts"].stream(
-            lambda: slot.stack.tts.synthesize(text, voice=voice, should_stop=lambda: self.scope.stale, speed=self.speed)
+            lambda: slot.stack.tts.synthesize(
+                text, voice=voice, should_stop=lambda: self.scope.stale, speed=self.key.speed
+            )
         ):
             pieces.append(audio)
         return pieces
@@ -143,7 +141,6 @@ class Anticipation:
 
         From now on the answer stops when the response is cancelled or fails.
         """
-        self.adopted = True
         response_scope.on_close(lambda: self.scope.close("response closed"))
         return self._pieces()
 

@@ -53,6 +53,7 @@ from s2s_rt.turn import SemanticTurnEnd, SpeechStart, SpeechStop, TurnDetector
 
 if TYPE_CHECKING:
     from s2s_rt.pipeline.context import SessionContext
+    from s2s_rt.protocol.response import ResponseParams
     from s2s_rt.slot import Slot
 
 log = logging.getLogger("s2s_rt.slot")
@@ -623,9 +624,11 @@ class Listener:
             return
 
         async def guess(heard: Transcript) -> Transcript:
+            # The conversation as the turn's answer will read it, once for the judgement and the answer.
+            conversation = ctx.session.next_prompt()
             if judge:
-                await self._judge(ctx, heard.text.strip(), speculation)
-            self._anticipate(ctx, heard, speculation)
+                await self._judge(ctx, heard.text.strip(), speculation, conversation[0])
+            self._anticipate(ctx, heard, speculation, conversation)
             return heard
 
         task, started = self._transcribe_ahead(ctx, guess, "speculation")
@@ -703,7 +706,9 @@ class Listener:
         scope.on_close(task.cancel)
         return task, started
 
-    async def _judge(self, ctx: SessionContext, text: str, speculation: Speculation) -> None:
+    async def _judge(
+        self, ctx: SessionContext, text: str, speculation: Speculation, messages: list[ChatMessage]
+    ) -> None:
         """``semantic_vad``: how likely the words so far end the user's turn (the chat LLM judges).
 
         Left unknown if the model cannot judge (a remote LLM) or fails: the
@@ -715,7 +720,6 @@ class Listener:
         judge = getattr(self.slot.stack.llm, "turn_end_probability", None)
         if judge is None:
             return
-        messages, _ = ctx.session.next_prompt()
         answer = next((m for m in reversed(messages) if m.role == "assistant"), None)
         # The conversation's last answer (its end) gives the words their context; the instructions are left
         # out: this is read three times within the silence, so it is kept short.
@@ -726,7 +730,13 @@ class Listener:
         except Exception as exc:
             log.warning("slot %d: judging the end of the turn failed: %r", self.slot.index, exc)
 
-    def _anticipate(self, ctx: SessionContext, heard: Transcript, speculation: Speculation) -> None:
+    def _anticipate(
+        self,
+        ctx: SessionContext,
+        heard: Transcript,
+        speculation: Speculation,
+        conversation: tuple[list[ChatMessage], ResponseParams],
+    ) -> None:
         """Begin answering the words transcribed in the closing silence, before the turn ends.
 
         Only for a turn that will be answered (``create_response``, no
@@ -757,12 +767,10 @@ class Listener:
             or detector.semantic.wait_ms(speculation.finished, td.eagerness) > detector.semantic.min_silence_ms
         ):
             return
-        messages, params = session.next_prompt()
+        messages, params = conversation
         tools, must_call = offered_tools(params.tools, params.tool_choice)
         language = heard.language or ctx.language
-        messages = with_answer_context(
-            [*messages, ChatMessage("user", text)], language=language, tools=bool(tools), date_with_question=True
-        )
+        messages = with_answer_context([*messages, ChatMessage("user", text)], language=language, tools=bool(tools))
         key = AnswerKey.of(messages, tools, must_call, params.temperature, params.token_limit, params.speed)
         ahead = ls.anticipation = Anticipation(key, Scope("anticipation", parent=session.scope))
         speak = "audio" in params.modalities and not tools
@@ -771,7 +779,6 @@ class Listener:
             messages,
             ClauseSplitter(first_words=slot.first_clause_words) if speak else None,
             tts_voice(slot.stack, params.voice),
-            params.speed,
         )
 
     def _idle_check(self, ctx: SessionContext) -> None:

@@ -65,9 +65,7 @@ class Responder:
         r = req.response
         scope = req.scope
         tools, must_call = offered_tools(r.params.tools, r.params.tool_choice)
-        messages = with_answer_context(
-            session.prompt(r), language=ctx.language, tools=bool(tools), date_with_question=True
-        )
+        messages = with_answer_context(session.prompt(r), language=ctx.language, tools=bool(tools))
         usage = LLMUsage()
         ahead = req.anticipation
         if ahead is not None:
@@ -199,10 +197,8 @@ class Responder:
             return
         messages, params = session.next_prompt()
         tools, _ = offered_tools(params.tools, params.tool_choice)
-        # As the next answer will see it, up to its user turn (a question not about time: no date).
-        messages = with_answer_context([*messages, ChatMessage("user", "")], language=ctx.language, tools=bool(tools))[
-            :-1
-        ]
+        # As the next answer will see it, up to its user turn.
+        messages = with_answer_context(messages, language=ctx.language, tools=bool(tools))
         try:
             held = await pool.call(slot.stack.llm.prime, messages, tools)  # type: ignore[attr-defined]
         except Exception as exc:  # the next answer reads everything, as without it
