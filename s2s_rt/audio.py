@@ -179,6 +179,8 @@ def _filter_bank(up: int, down: int, taps_per_phase: int) -> Float32Array:
 BLOCK_SAMPLES = 48_000
 #: Most bytes of gather plans one resampler keeps.
 PLAN_CACHE_BYTES = 4 * 1024 * 1024
+#: Most input samples one batched resampling product gathers at once (16 MB of float32).
+GATHER_FLOATS = 4 * 1024 * 1024
 
 
 class Resampler:
@@ -251,39 +253,58 @@ class Resampler:
         return plan
 
     @staticmethod
-    def process_many(resamplers: Sequence[Resampler], chunks: Sequence[Float32Array]) -> list[Float32Array]:
-        """Each resampler's :meth:`process` of its chunk, chunks of one shape and phase in one dot product.
+    def process_block(resamplers: Sequence[Resampler], block: Float32Array) -> list[Float32Array]:
+        """Row ``i`` of ``block`` through ``resamplers[i]``, as :meth:`process` would; rows of one phase at once.
 
         Many sessions' 20 ms appends have the same length and, resampled at
-        the same rates, one of a few phases: their outputs come from the
-        same gather plan, so one gather and one product serve them all
-        instead of one call each.
+        the same rates, one of a few phases of the input clock: their
+        outputs come from the same gather plan, so one gather and one product
+        serve each phase instead of one call per session.
+
+        Args:
+            resamplers: one per row.
+            block: shape ``(len(resamplers), n)``: every row the same length.
         """
-        chunks = [np.asarray(x, dtype=np.float32) for x in chunks]
-        out: list[Float32Array | None] = [None] * len(chunks)
-        groups: dict[tuple[int, int, int, int, int], list[int]] = {}
-        for i, (r, x) in enumerate(zip(resamplers, chunks, strict=True)):
-            if r.up == r.down or not 0 < len(x) <= BLOCK_SAMPLES:
-                out[i] = r.process(x)
+        block = np.asarray(block, dtype=np.float32)
+        n = block.shape[1]
+        out: list[Float32Array] = [block[0, :0]] * len(resamplers)
+        phases: dict[tuple[int, int, int, int], list[int]] = {}
+        for row, r in enumerate(resamplers):
+            if r.up == r.down or not 0 < n <= BLOCK_SAMPLES:
+                out[row] = r.process(block[row])
             else:
-                groups.setdefault((r.up, r.down, r._taps, len(x), r._consumed % r.down), []).append(i)
-        for members in groups.values():
-            if len(members) == 1:
-                out[members[0]] = resamplers[members[0]].process(chunks[members[0]])
-                continue
-            window, filters = resamplers[members[0]]._plan_for(len(chunks[members[0]]))
-            bufs = np.stack([np.concatenate([resamplers[i]._history, chunks[i]]) for i in members])
-            for row, i in enumerate(members):
-                resamplers[i]._next += len(window)
-                resamplers[i]._roll(bufs[row])
-            if not len(window):
-                for i in members:
-                    out[i] = np.zeros(0, dtype=np.float32)
-                continue
-            produced = np.einsum("bij,ij->bi", bufs[:, window], filters)
-            for row, i in enumerate(members):
-                out[i] = produced[row]
-        return out  # type: ignore[return-value]
+                phases.setdefault((r.up, r.down, r._taps, r._consumed % r.down), []).append(row)
+        for group in phases.values():
+            first = resamplers[group[0]]
+            window, filters = first._plan_for(n)
+            # The gather copies taps inputs per output: bound it (a session catching up brings seconds).
+            rows = max(1, GATHER_FLOATS // max(1, window.size))
+            for start in range(0, len(group), rows):
+                members = group[start : start + rows]
+                Resampler._block_phase(resamplers, block, members, window, filters, out)
+        return out
+
+    @staticmethod
+    def _block_phase(
+        resamplers: Sequence[Resampler],
+        block: Float32Array,
+        members: list[int],
+        window: npt.NDArray[np.intp],
+        filters: Float32Array,
+        out: list[Float32Array],
+    ) -> None:
+        """:meth:`process_block` for rows of one phase: one gather, one product."""
+        n = block.shape[1]
+        bufs = np.concatenate([np.stack([resamplers[i]._history for i in members]), block[members]], axis=1)
+        # The last taps-1 inputs of each row: rows of one array, replaced (never written) by the next call.
+        history = bufs[:, n:]
+        produced = np.einsum("bij,ij->bi", bufs[:, window], filters) if len(window) else bufs[:, :0]
+        for row, i in enumerate(members):
+            r = resamplers[i]
+            r._next += len(window)
+            r._consumed += n
+            r._history = history[row]
+            out[i] = produced[row]
 
     def _plan(self, n: int) -> tuple[npt.NDArray[np.intp], Float32Array]:
         """Which inputs and which filter phase make each output of an ``n``-sample chunk.

@@ -137,6 +137,10 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stt_threads: int = 1
     llm_threads: int = 2
     tts_threads: int = 1
+    #: The STT, LLM and TTS threads run this much nicer (Linux nice steps, 0-19) than the event loop
+    #: and the VAD, so that when the cores are full, answers wait rather than every session's VAD
+    #: decisions. 0: all at the same priority.
+    engine_nice: int = 10
     #: fake stack: extra time per STT call, per LLM token, per TTS word.
     fake_stt_delay_ms: int = 0
     fake_llm_token_delay_ms: int = 0
@@ -188,6 +192,8 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ConfigError("max_output_mib, max_input_queue_mib and max_conversation_mib must be positive")
         if not 0 <= self.semantic_min_silence_ms <= self.semantic_unknown_ms <= 8000:
             raise ConfigError("semantic_min_silence_ms <= semantic_unknown_ms must be within 0..8000")
+        if not 0 <= self.engine_nice <= 19:
+            raise ConfigError(f"engine_nice must be 0..19, not {self.engine_nice}")
         if not 1 <= self.first_clause_words <= 50:
             raise ConfigError("first_clause_words must be 1..50")
         if self.llm_prefix_cache_tokens < 0 or self.llm_prefix_session_tokens < 0:

@@ -4,12 +4,19 @@ Each stage kind (VAD, STT, LLM, TTS) has its own bounded thread pool, shared
 by every slot: a long LLM stream can then never hold up another session's
 VAD decision (the listening clock scores all sessions' audio in one call
 per tick: :mod:`s2s_rt.pipeline.listening`).
+
+Listening comes first on a busy machine: the STT, LLM and TTS threads (the
+pools' and the engines' own) run nicer than the event loop and the VAD, so
+that when transcription and answers fill the cores they wait, not the VAD
+decisions of every session.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
+import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -20,7 +27,53 @@ from s2s_rt.metrics import Metrics
 
 T = TypeVar("T")
 
+log = logging.getLogger("s2s_rt.inference")
+
 _DONE = object()
+
+
+def lower_this_thread(nice: int) -> None:
+    """Make the calling thread, and every thread it starts from now on, ``nice`` steps nicer.
+
+    Linux keeps a nice value per thread and a new thread inherits its
+    creator's, so an engine loaded on a lowered thread computes on lowered
+    threads (CTranslate2's replica threads and their OpenMP teams, ONNX
+    Runtime's pools). Raising niceness needs no privilege; lowering it back
+    does, so only threads that stay lowered call this.
+    """
+    if nice <= 0:
+        return
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+    except (AttributeError, OSError) as exc:  # not Linux, or refused: the priorities stay equal
+        log.warning("could not lower the priority of an inference thread: %s", exc)
+
+
+def call_lowered(fn: Callable[[], T], nice: int) -> T:
+    """``fn()`` on a thread of its own, ``nice`` steps nicer, which ends with it (the caller waits).
+
+    For loading an engine: the threads it starts inherit the lowered
+    priority, while the caller's own priority is left as it was.
+    """
+    if nice <= 0:
+        return fn()
+    got: list[T] = []
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        lower_this_thread(nice)
+        try:
+            got.append(fn())
+        except BaseException as exc:  # re-raised in the caller
+            failed.append(exc)
+
+    thread = threading.Thread(target=run, name="s2s-load")
+    thread.start()
+    thread.join()
+    if failed:
+        raise failed[0]
+    return got[0]
 
 
 class EngineTimeout(Exception):
@@ -40,14 +93,17 @@ class StagePool:
         workers: threads; calls beyond this wait their turn.
         metrics: where call durations go.
         deadline_s: the default deadline of a call (of each piece, for streams).
+        nice: how much nicer than the event loop its threads run (see :func:`lower_this_thread`).
     """
 
-    def __init__(self, stage: str, workers: int, metrics: Metrics, deadline_s: float = 60.0) -> None:
+    def __init__(self, stage: str, workers: int, metrics: Metrics, deadline_s: float = 60.0, *, nice: int = 0) -> None:
         self.stage = stage
         self.metrics = metrics
         self.workers = workers
         self.deadline_s = deadline_s
-        self.executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"s2s-{stage}")
+        self.executor = ThreadPoolExecutor(
+            max_workers=workers, thread_name_prefix=f"s2s-{stage}", initializer=lower_this_thread, initargs=(nice,)
+        )
         #: Calls still running on a thread after their caller gave up (deadline or cancellation).
         self.overdue = 0
         #: Engine calls and streams running on a thread now (overdue ones included).

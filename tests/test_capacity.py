@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import os
 import threading
 import time
 
@@ -19,6 +20,7 @@ from conftest import RealtimeClient, http_get, live_server, run, silence, tone
 from websockets.asyncio.client import connect
 
 from s2s_rt.engines.fake import EnergyVAD
+from s2s_rt.inference import call_lowered
 
 
 def test_when_listening_falls_behind_new_sessions_are_refused_and_admitted_ones_go_on(
@@ -120,3 +122,35 @@ def test_pings_are_answered_while_audio_waits_and_a_session_past_its_input_budge
                 assert "audio_backlog_exceeded" in codes and ws.close_code == 1013
 
     run(scenario(), timeout=60)
+
+
+def _niceness() -> int:
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+def test_answers_run_nicer_than_listening_so_a_full_machine_delays_answers_not_vad_decisions() -> None:
+    async def scenario() -> None:
+        base = _niceness()
+        async with live_server(engine_nice=3) as server:
+            seen = {stage: await pool.call(_niceness) for stage, pool in server.pools.items()}
+        assert seen == {"vad": base, "stt": base + 3, "llm": base + 3, "tts": base + 3}
+        assert _niceness() == base  # the caller's own thread is left as it was
+
+    run(scenario(), timeout=30)
+
+
+def test_an_engine_loaded_lowered_computes_on_lowered_threads() -> None:
+    base = _niceness()
+    seen: list[int] = []
+
+    def load() -> str:
+        # An engine's own worker threads are started while it loads (CTranslate2's, ONNX Runtime's).
+        worker = threading.Thread(target=lambda: seen.append(_niceness()))
+        worker.start()
+        worker.join()
+        return "engine"
+
+    assert call_lowered(load, 4) == "engine"
+    assert seen == [base + 4] and _niceness() == base
+    with pytest.raises(ValueError, match="bad model"):
+        call_lowered(lambda: (_ for _ in ()).throw(ValueError("bad model")), 4)

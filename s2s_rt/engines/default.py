@@ -12,6 +12,7 @@ from s2s_rt.engines.device import resolve_device
 from s2s_rt.engines.piper import PiperTTS, voice_languages
 from s2s_rt.engines.silero import SileroVAD
 from s2s_rt.engines.whisper import WhisperSTT
+from s2s_rt.inference import call_lowered
 
 _Engine = TypeVar("_Engine")
 
@@ -32,6 +33,7 @@ def load_default_stack(
     llm_temperature_scale: float = 1.0,
     llm_prefix_cache_tokens: int = 0,
     llm_prefix_session_tokens: int = 2048,
+    engine_nice: int = 0,
 ) -> Stack:
     """Load each of the four engines once, for every slot of the process.
 
@@ -56,6 +58,9 @@ def load_default_stack(
         llm_prefix_cache_tokens, llm_prefix_session_tokens: the local LLM's
             conversation state kept between answers (see
             :meth:`~s2s_rt.engines.llm.CT2ChatLLM.prime`).
+        engine_nice: the STT, LLM and TTS are loaded on a thread this much
+            nicer, so the threads they compute on are too (see
+            :func:`s2s_rt.inference.lower_this_thread`); the VAD is not.
         llm: an LLM engine made elsewhere (a remote endpoint's) instead of
             loading ``llm_dir``; the caller describes it.
 
@@ -79,7 +84,7 @@ def load_default_stack(
 
     def timed(what: str, load: Callable[[], _Engine]) -> _Engine:
         start = time.perf_counter()
-        engine = load()
+        engine = load() if what == "VAD" else call_lowered(load, engine_nice)
         load_seconds[what] = time.perf_counter() - start
         return engine
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+import numpy.typing as npt
 import onnxruntime
 
 from s2s_rt.engines.base import PIPELINE_RATE, Float32Array
@@ -15,28 +18,65 @@ from s2s_rt.engines.device import CPU_PROVIDER, OnnxProviders, session_options
 CHUNK_SAMPLES = 512
 #: Samples of the previous chunk that Silero v5/v6 prepends to each chunk.
 CONTEXT_SAMPLES = 64
-#: Shape of the recurrent state for one session: (layers, batch, units).
-_STATE_SHAPE = (2, 1, 128)
+#: Recurrent state per session: (layers, units); the model takes (layers, batch, units).
+_LAYERS, _UNITS = 2, 128
+
+
+class _StateTable:
+    """Every session's Silero state in two arrays, one row per session.
+
+    A batch gathers its rows and scatters them back in two array operations,
+    whatever the number of sessions, instead of stacking and splitting one
+    small array per session. Rows are handed out by :meth:`add` and come back
+    when their :class:`SileroState` is garbage (its finalizer). The arrays
+    double when full; a batch that gathered before a growth scatters into
+    the grown arrays, where its rows keep their indexes.
+    """
+
+    def __init__(self, capacity: int = 64) -> None:
+        self.recurrent = np.zeros((_LAYERS, capacity, _UNITS), dtype=np.float32)
+        self.context = np.zeros((capacity, CONTEXT_SAMPLES), dtype=np.float32)
+        self._free = list(range(capacity - 1, -1, -1))
+        self._lock = threading.Lock()
+
+    def add(self) -> int:
+        with self._lock:
+            if not self._free:
+                old = len(self.context)
+                recurrent = np.zeros((_LAYERS, 2 * old, _UNITS), dtype=np.float32)
+                context = np.zeros((2 * old, CONTEXT_SAMPLES), dtype=np.float32)
+                recurrent[:, :old] = self.recurrent
+                context[:old] = self.context
+                self.recurrent, self.context = recurrent, context
+                self._free = list(range(2 * old - 1, old - 1, -1))
+            row = self._free.pop()
+            self.recurrent[:, row] = 0.0
+            self.context[row] = 0.0
+            return row
+
+    def remove(self, row: int) -> None:
+        with self._lock:
+            self._free.append(row)
+
+    def gather(self, rows: npt.NDArray[np.intp]) -> tuple[Float32Array, Float32Array]:
+        with self._lock:
+            return self.recurrent[:, rows], self.context[rows]
+
+    def scatter(self, rows: npt.NDArray[np.intp], recurrent: Float32Array, context: Float32Array) -> None:
+        with self._lock:
+            self.recurrent[:, rows] = recurrent
+            self.context[rows] = context
 
 
 class SileroState:
-    """What one session's VAD remembers between chunks.
+    """One session's row in the engine's state table (the LSTM state and the last 64 samples heard)."""
 
-    Attributes:
-        recurrent: the LSTM state, shape ``(2, 1, 128)``.
-        context: the last 64 samples of the previous chunk.
-    """
+    __slots__ = ("__weakref__", "_table", "row")
 
-    __slots__ = ("context", "recurrent")
-
-    def __init__(self) -> None:
-        self.recurrent = np.zeros(_STATE_SHAPE, dtype=np.float32)
-        self.context = np.zeros(CONTEXT_SAMPLES, dtype=np.float32)
-
-    def reset(self) -> None:
-        """Forget everything, as at the start of a new session."""
-        self.recurrent.fill(0.0)
-        self.context.fill(0.0)
+    def __init__(self, table: _StateTable) -> None:
+        self._table = table
+        self.row = table.add()
+        weakref.finalize(self, table.remove, self.row)
 
 
 class SileroVAD:
@@ -70,6 +110,7 @@ class SileroVAD:
         )
         self.providers: list[str] = self._session.get_providers()
         self._sample_rate = np.array(PIPELINE_RATE, dtype=np.int64)
+        self._states = _StateTable()
 
     def describe(self) -> str:
         """One line for the start-up log."""
@@ -77,7 +118,7 @@ class SileroVAD:
 
     def new_state(self) -> SileroState:
         """Return fresh per-session state (kept by the slot, not the engine)."""
-        return SileroState()
+        return SileroState(self._states)
 
     def speech_probabilities(self, chunks: Float32Array, states: Sequence[SileroState]) -> Float32Array:
         """Score one chunk for each of B sessions in one batched inference.
@@ -100,13 +141,11 @@ class SileroVAD:
             raise ValueError(f"{batch} chunks but {len(states)} states")
         if batch == 0:
             return np.zeros(0, dtype=np.float32)
-        contexts = np.stack([state.context for state in states])
+        rows = np.fromiter((state.row for state in states), dtype=np.intp, count=batch)
+        recurrent, contexts = self._states.gather(rows)
         model_input = np.concatenate([contexts, chunks], axis=1)
-        recurrent = np.concatenate([state.recurrent for state in states], axis=1)
         probabilities, new_recurrent = self._session.run(
             None, {"input": model_input, "state": recurrent, "sr": self._sample_rate}
         )
-        for i, state in enumerate(states):
-            state.recurrent = np.ascontiguousarray(new_recurrent[:, i : i + 1, :])
-            state.context = model_input[i, -CONTEXT_SAMPLES:].copy()
+        self._states.scatter(rows, new_recurrent, model_input[:, -CONTEXT_SAMPLES:])
         return np.asarray(probabilities, dtype=np.float32).reshape(batch)

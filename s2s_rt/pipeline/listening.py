@@ -188,17 +188,6 @@ def _join(chunks: tuple[Float32Array, ...], offset: int) -> Float32Array:
     return audio[offset:]
 
 
-def _decode(ls: ListeningState, segments: list[AudioBytes]) -> Float32Array | AudioFormatError | None:
-    """A session's new audio decoded and joined, not yet resampled; None if its format changed within it."""
-    if any(seg.format != ls.format for seg in segments):
-        return None
-    try:
-        parts = [seg.format.decode(seg.data) for seg in segments]
-    except AudioFormatError as exc:
-        return exc
-    return parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.zeros(0, np.float32)
-
-
 def _resample_each(ls: ListeningState, segments: list[AudioBytes]) -> Float32Array:
     """A session's new audio whose format changed within it: each piece with the resampler of its format."""
     parts = []
@@ -207,57 +196,84 @@ def _resample_each(ls: ListeningState, segments: list[AudioBytes]) -> Float32Arr
             ls.format = seg.format
             ls.resampler = Resampler(seg.format.rate, PIPELINE_RATE)
         parts.append(ls.resampler.process(seg.format.decode(seg.data)))
-    return parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.zeros(0, np.float32)
+    return parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else _NOTHING
+
+
+_NOTHING = np.zeros(0, np.float32)
 
 
 def hear(vad: VAD, work: Sequence[tuple[ListeningState, list[AudioBytes], bool]]) -> list[Heard]:
     """Decode, resample and score every session's new audio (runs in the VAD worker thread).
 
-    All sessions' windows of one step go to the VAD in one batched call; a
-    session's own windows are scored in order, since the model carries state
-    from one to the next.
+    The work is done for groups of sessions, not one by one: sessions whose
+    new audio has one format and length share one decode and one resampling
+    product per phase; those whose unwindowed rest has one length share one
+    cut into VAD windows; and all sessions' windows of one step go to the
+    VAD in one batched call. A session's own windows are scored in order,
+    since the model carries state from one to the next.
     """
     chunk = vad.chunk_samples
-    heard: list[Heard] = []
-    windows: list[Float32Array] = []
-    decoded = [_decode(ls, segments) for ls, segments, _ in work]
-    # Sessions whose audio is all in one format are resampled together (one product per chunk shape).
-    together = [i for i, d in enumerate(decoded) if isinstance(d, np.ndarray)]
-    new_audio = [d for d in decoded if isinstance(d, np.ndarray)]
-    resampled = Resampler.process_many([work[i][0].resampler for i in together], new_audio)
-    for i, samples in zip(together, resampled, strict=True):
-        decoded[i] = samples
-    for (ls, segments, score), result in zip(work, decoded, strict=True):
+    heard: list[Heard | None] = [None] * len(work)
+    samples: list[Float32Array] = [_NOTHING] * len(work)
+    # 1. Decode and resample, a group of one format and byte length at a time.
+    same: dict[tuple[AudioFormat, int], list[int]] = {}
+    data: list[bytes] = [b""] * len(work)
+    for i, (ls, segments, _) in enumerate(work):
+        fmt = ls.format
+        if all(seg.format is fmt or seg.format == fmt for seg in segments):
+            data[i] = segments[0].data if len(segments) == 1 else b"".join([seg.data for seg in segments])
+            same.setdefault((fmt, len(data[i])), []).append(i)
+            continue
         try:
-            if isinstance(result, AudioFormatError):
-                raise result
-            samples = result if isinstance(result, np.ndarray) else _resample_each(ls, segments)
+            samples[i] = _resample_each(ls, segments)
         except AudioFormatError as exc:  # checked on arrival; a bug if it happens here
-            heard.append(Heard(np.zeros(0, np.float32), np.zeros(0, np.float32), exc))
-            windows.append(np.zeros((0, chunk), np.float32))
+            heard[i] = Heard(_NOTHING, _NOTHING, exc)
+    for (fmt, _), members in same.items():
+        try:
+            block = fmt.decode(b"".join([data[i] for i in members])).reshape(len(members), -1)
+        except AudioFormatError as exc:  # checked on arrival; a bug if it happens here
+            for i in members:
+                heard[i] = Heard(_NOTHING, _NOTHING, exc)
+            continue
+        resampled = Resampler.process_block([work[i][0].resampler for i in members], block)
+        for i, out in zip(members, resampled, strict=True):
+            samples[i] = out
+    # 2. Cut windows, a group of one rest length and one new length at a time.
+    cuts: dict[tuple[int, int], list[int]] = {}
+    for i, (ls, _, score) in enumerate(work):
+        if heard[i] is not None:
             continue
         if not score:
-            heard.append(Heard(samples, np.zeros(0, np.float32)))
-            windows.append(np.zeros((0, chunk), np.float32))
+            heard[i] = Heard(samples[i], _NOTHING)
             continue
-        pending = np.concatenate([ls.pending, samples]) if len(ls.pending) else samples
-        n = len(pending) // chunk
-        windows.append(pending[: n * chunk].reshape(n, chunk))
-        ls.pending = pending[n * chunk :]
-        heard.append(Heard(samples, np.zeros(n, np.float32)))
-    steps = max((len(w) for w in windows), default=0)
+        cuts.setdefault((len(ls.pending), len(samples[i])), []).append(i)
+    steps: list[tuple[list[int], Float32Array]] = []  # members, their windows (G, n, chunk)
+    for (rest, new), members in cuts.items():
+        joined = np.stack([samples[i] for i in members])
+        if rest:
+            joined = np.concatenate([np.stack([work[i][0].pending for i in members]), joined], axis=1)
+        n = (rest + new) // chunk
+        probabilities = np.zeros((len(members), n), np.float32)
+        for row, i in enumerate(members):
+            work[i][0].pending = joined[row, n * chunk :]
+            heard[i] = Heard(samples[i], probabilities[row])
+        if n:
+            steps.append((members, joined[:, : n * chunk].reshape(len(members), n, chunk)))
+    # 3. Score: step k holds the k-th window of every session that has one.
     try:
-        for step in range(steps):
-            rows = [i for i, w in enumerate(windows) if len(w) > step]
-            chunks = np.stack([windows[i][step] for i in rows])
+        for k in range(max((w.shape[1] for _, w in steps), default=0)):
+            now = [(members, w) for members, w in steps if w.shape[1] > k]
+            chunks = np.concatenate([w[:, k] for _, w in now])
+            rows = [i for members, _ in now for i in members]
             probs = vad.speech_probabilities(chunks, [work[i][0].vad_state for i in rows])
-            for i, p in zip(rows, probs, strict=True):
-                heard[i].probabilities[step] = p
+            for i, p in zip(rows, probs.tolist(), strict=True):
+                heard[i].probabilities[k] = p  # type: ignore[union-attr]
     except Exception as exc:
         # The turns go on without these decisions; each session is told.
         for h in heard:
+            assert h is not None
             h.error = h.error or exc
-    return heard
+    return heard  # type: ignore[return-value]
 
 
 class ListeningClock:
