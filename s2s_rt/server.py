@@ -33,6 +33,7 @@ from websockets.http11 import Request, Response
 from websockets.typing import Subprotocol
 
 from s2s_rt.config import Config
+from s2s_rt.connection import DirectConnection
 from s2s_rt.engines.base import Stack
 from s2s_rt.inference import StagePool
 from s2s_rt.metrics import Metrics
@@ -258,6 +259,7 @@ class Server:
                     ping_interval=cfg.ping_interval_s,
                     ping_timeout=cfg.ping_timeout_s,
                     server_header="s2s-rt",
+                    create_connection=DirectConnection,
                 ) as ws_server:
                     self.port = ws_server.sockets[0].getsockname()[1]
                     log.info(
@@ -450,6 +452,27 @@ class Server:
         refusals = Refusals()
         activity = Activity(loop.time())
         watchdog = asyncio.create_task(self._watch(ws, slot, activity), name=f"slot{slot.index}-watchdog")
+
+        def direct(data: bytes | bytearray | memoryview) -> bool:
+            # An append is handled as its frame is parsed: no task wakes per message.
+            if refusals.unreported:
+                return False  # a notice is owed first: the usual way sends it
+            try:
+                text = str(data, "utf-8")
+            except UnicodeDecodeError:
+                return False  # the usual way closes with 1007
+            now = loop.time()
+            activity.last = now
+            if not budget.take(now):
+                return False
+            if not slot.dispatch.receive_now(text):
+                budget.give_back()
+                return False
+            refusals.accepted(now)
+            return True
+
+        if isinstance(ws, DirectConnection):
+            ws.direct = direct
         try:
             async for message in ws:
                 now = loop.time()
@@ -458,7 +481,11 @@ class Server:
                     unreported = refusals.accepted(now)
                     if unreported:
                         await self._refused(slot, unreported)
-                    await slot.receive(message)
+                    busy(ws, True)
+                    try:
+                        await slot.receive(message)
+                    finally:
+                        busy(ws, False)
                     continue
                 # Refusing must cost less than the abuse: one notice a second, with a count.
                 unreported = refusals.refuse(now)
@@ -469,6 +496,8 @@ class Server:
                     await slot.end_with_error(ProtocolError("rate_limit_flood", text), 1008)
                     return "flood"
         finally:
+            if isinstance(ws, DirectConnection):
+                ws.direct = None
             # The watchdog is owned here: it ends with the connection, and is waited for.
             watchdog.cancel()
             await asyncio.wait((watchdog,))
@@ -674,6 +703,12 @@ class Server:
         return sum(p.overdue for p in self.pools.values())
 
 
+def busy(ws: ServerConnection, value: bool) -> None:
+    """Mark that the receive loop is handling a message (nothing may overtake it on the direct route)."""
+    if isinstance(ws, DirectConnection):
+        ws.busy = value
+
+
 def _unauthorized() -> Response:
     response = _response(HTTPStatus.UNAUTHORIZED, "missing or wrong API key\n")
     response.headers["WWW-Authenticate"] = 'Bearer realm="s2s-rt"'
@@ -777,6 +812,10 @@ class EventBudget:
         self.burst = float(burst)
         self.tokens = float(burst)
         self.last: float | None = None
+
+    def give_back(self) -> None:
+        """Return the token of an event taken but not handled here (it will be taken again)."""
+        self.tokens = min(self.burst, self.tokens + 1.0)
 
     def take(self, now: float) -> bool:
         if self.last is not None:

@@ -10,6 +10,7 @@ from s2s_rt.protocol import client_events as ce
 from s2s_rt.protocol.errors import ProtocolError
 
 if TYPE_CHECKING:
+    from s2s_rt.pipeline.context import SessionContext
     from s2s_rt.slot import Slot
 
 
@@ -45,6 +46,53 @@ class Dispatcher:
                 exc.event_id = event.event_id
             await slot.outbox.error(exc)
 
+    def receive_now(self, message: str) -> bool:
+        """Handle an audio append at once, if nothing about it needs waiting; else leave it (False).
+
+        For the receive path's direct route: only a valid append whose audio
+        is taken goes through here. Anything else, or anything that fails,
+        returns False untouched, and :meth:`receive` handles it in full
+        (decoding it again, reporting what is wrong).
+        """
+        try:
+            event = ce.decode_client_event(message)
+        except ProtocolError:
+            return False
+        if type(event) is not ce.InputAudioBufferAppend:
+            return False
+        slot = self.slot
+        ctx = slot.ctx
+        assert ctx is not None
+        try:
+            if not self._append(ctx, event):
+                return False
+        except ProtocolError:
+            return False
+        slot.metrics.events_in.inc(type="input_audio_buffer.append")
+        return True
+
+    def _append(self, ctx: SessionContext, ev: ce.InputAudioBufferAppend) -> bool:
+        """Queue an append's raw bytes for the listening clock; False when its input budget is spent.
+
+        Only the raw bytes are kept here; decoding, resampling and the VAD
+        happen on the listening clock, for all sessions at once. Never waits:
+        a receive loop that stopped reading would starve pings too.
+
+        Raises:
+            ProtocolError: the audio does not fit the session's format.
+        """
+        slot = self.slot
+        if ctx.listening.closing:
+            return True
+        if not slot.input_budget.try_take(len(ev.audio)):
+            return False
+        try:
+            slot.listener.audio(ctx, ev.audio)
+        except ProtocolError:
+            slot.input_budget.release(len(ev.audio))
+            raise
+        return True
+
     async def _dispatch(self, ev: ce.ClientEvent) -> None:
         slot = self.slot
         ctx = slot.ctx
@@ -54,19 +102,8 @@ class Dispatcher:
         listener = slot.listener
         match ev:
             case ce.InputAudioBufferAppend():
-                # Only the raw bytes are kept here; decoding, resampling and the
-                # VAD happen on the listening clock, for all sessions at once.
-                # Never waits: a receive loop that stopped reading would starve pings too.
-                if ctx.listening.closing:
-                    return
-                if not slot.input_budget.try_take(len(ev.audio)):
+                if not self._append(ctx, ev):
                     listener.fall_behind(ctx, ctx.listening.backlog_s(time.monotonic()))
-                    return
-                try:
-                    listener.audio(ctx, ev.audio)
-                except ProtocolError:
-                    slot.input_budget.release(len(ev.audio))
-                    raise
             case ce.InputAudioBufferCommit():
                 listener.command(ctx, BufferCommand(scope, "commit", ev.event_id))
             case ce.InputAudioBufferClear():
