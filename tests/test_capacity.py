@@ -15,10 +15,12 @@ import os
 import threading
 import time
 
+import numpy as np
 import pytest
 from conftest import RealtimeClient, http_get, live_server, run, silence, tone
 from websockets.asyncio.client import connect
 
+from s2s_rt.audio import AudioFormat
 from s2s_rt.engines.fake import EnergyVAD
 from s2s_rt.inference import call_lowered
 
@@ -154,3 +156,32 @@ def test_an_engine_loaded_lowered_computes_on_lowered_threads() -> None:
     assert seen == [base + 4] and _niceness() == base
     with pytest.raises(ValueError, match="bad model"):
         call_lowered(lambda: (_ for _ in ()).throw(ValueError("bad model")), 4)
+
+
+def test_appends_arriving_with_a_format_change_in_one_read_are_heard_in_the_new_format() -> None:
+    """Appends take a direct route as they are parsed; they must not overtake the update queued before them."""
+
+    async def scenario() -> None:
+        async with live_server() as server:
+            async with RealtimeClient.connect(server, transcribe=True) as c:
+                await c.send("session.update", session={"turn_detection": None})
+                await c.until("session.updated")
+                ulaw = AudioFormat("audio/pcmu", 8_000)
+                second = ulaw.encode((np.sin(np.arange(8_000) * 2 * np.pi * 440 / 8_000) * 0.3).astype(np.float32))
+                burst = [
+                    {"type": "session.update", "session": {"input_audio_format": "g711_ulaw"}},
+                    *(
+                        {"type": "input_audio_buffer.append", "audio": base64.b64encode(second[i : i + 800]).decode()}
+                        for i in range(0, len(second), 800)
+                    ),
+                    {"type": "input_audio_buffer.commit"},
+                ]
+                # Every frame in one write, so that the server parses them in one read.
+                for event in burst:
+                    c.ws.protocol.send_text(json.dumps(event).encode())
+                c.ws.send_data()
+                heard = await c.until("conversation.item.input_audio_transcription.completed")
+                # One second of 8 kHz audio; read as 24 kHz PCM16 it would be a sixth of that.
+                assert heard["transcript"].startswith("heard 1000 ms")
+
+    run(scenario(), timeout=30)
