@@ -79,13 +79,17 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 
 
 def run_loop(main: Coroutine[Any, Any, None], kind: str) -> None:
-    """Run ``main`` on the asyncio event loop, or on uvloop's when asked (and installed)."""
-    if kind == "uvloop":
-        import uvloop  # optional: pip install uvloop
-
-        uvloop.run(main)
-    else:
-        asyncio.run(main)
+    """Run ``main`` on uvloop's event loop (``uvloop``, or ``auto`` when it is installed), else asyncio's."""
+    if kind != "asyncio":
+        try:
+            import uvloop
+        except ImportError:
+            if kind == "uvloop":
+                raise
+        else:
+            uvloop.run(main)
+            return
+    asyncio.run(main)
 
 
 def worker_count(value: str) -> int:

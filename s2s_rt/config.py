@@ -65,8 +65,10 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: A connection whose events are refused by the rate limit for this many seconds in a row is closed (1008).
     flood_close_s: float = 5.0
 
-    #: ``asyncio`` (the standard event loop) or ``uvloop`` (needs the ``uvloop`` package).
-    event_loop: str = "asyncio"
+    #: ``auto`` (uvloop's event loop when the ``uvloop`` package is installed, as it is by default: at
+    #: 200 listening sessions it took 34-37 µs of the loop's CPU per client event against 41-44 µs for
+    #: asyncio's, measured side by side), ``uvloop`` or ``asyncio`` (the standard one).
+    event_loop: str = "auto"
 
     # Listening (load shedding)
     #: All sessions' new audio is heard in one batch per tick.
@@ -186,8 +188,8 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ConfigError(f"stack must be 'fake' or 'default', not {self.stack!r}")
         if self.llm_url is not None and not self.llm_url.startswith(("http://", "https://")):
             raise ConfigError(f"llm_url must be an http:// or https:// URL, not {self.llm_url!r}")
-        if self.event_loop not in ("asyncio", "uvloop"):
-            raise ConfigError(f"event_loop must be 'asyncio' or 'uvloop', not {self.event_loop!r}")
+        if self.event_loop not in ("auto", "asyncio", "uvloop"):
+            raise ConfigError(f"event_loop must be 'auto', 'asyncio' or 'uvloop', not {self.event_loop!r}")
         if min(self.max_output_mib, self.max_input_queue_mib, self.max_conversation_mib) <= 0:
             raise ConfigError("max_output_mib, max_input_queue_mib and max_conversation_mib must be positive")
         if not 0 <= self.semantic_min_silence_ms <= self.semantic_unknown_ms <= 8000:
