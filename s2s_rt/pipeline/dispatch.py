@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from s2s_rt.metrics import labels_key
 from s2s_rt.pipeline.work import BufferCommand, ResponseRequest, SettingsChanged, TurnTiming
 from s2s_rt.protocol import client_events as ce
 from s2s_rt.protocol.errors import ProtocolError
@@ -12,6 +13,9 @@ from s2s_rt.protocol.errors import ProtocolError
 if TYPE_CHECKING:
     from s2s_rt.pipeline.context import SessionContext
     from s2s_rt.slot import Slot
+
+
+_APPEND = labels_key(type="input_audio_buffer.append")
 
 
 class Dispatcher:
@@ -68,7 +72,7 @@ class Dispatcher:
                 return False
         except ProtocolError:
             return False
-        slot.metrics.events_in.inc(type="input_audio_buffer.append")
+        slot.metrics.events_in.add(_APPEND)
         return True
 
     def _append(self, ctx: SessionContext, ev: ce.InputAudioBufferAppend) -> bool:
