@@ -255,7 +255,7 @@ class Slot:
         self.ctx = None
         self.outbox.ws = self.outbox.session = None
         self.outbox.timings.clear()
-        release_freed_memory()
+        release_freed_memory(background=True)
         if self.state is SlotState.DRAINING:
             if self._crash_hold:
                 self._hold_after_crashes()

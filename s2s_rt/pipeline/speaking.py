@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -86,17 +87,21 @@ class Speaker:
             if ahead is not None:
                 pieces = [resampler.process(audio) for audio in ahead]
             else:
-                async for audio in slot.pools["tts"].stream(
-                    lambda: slot.stack.tts.synthesize(
+
+                def speech() -> Iterator[Float32Array]:
+                    # Resampled in the TTS thread, off the event loop (this slot's resampler, one job at a time).
+                    for audio in slot.stack.tts.synthesize(
                         job.text,
                         voice=tts_voice(slot.stack, r.params.voice),
                         should_stop=lambda: scope.stale,
                         speed=r.params.speed,
-                    )
-                ):
+                    ):
+                        yield resampler.process(audio)
+
+                async for audio in slot.pools["tts"].stream(speech):
                     if scope.stale:
                         return
-                    pieces.append(resampler.process(audio))
+                    pieces.append(audio)
         except Exception as exc:
             log.warning("slot %d: TTS failed: %r", slot.index, exc)
             if not scope.stale:
