@@ -12,11 +12,14 @@ earlier message waits in the queue or is still being handled there.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 from websockets.asyncio.server import ServerConnection
 from websockets.frames import Frame, Opcode
 from websockets.protocol import Event
+
+log = logging.getLogger("s2s_rt.server")
 
 
 class DirectConnection(ServerConnection):
@@ -44,7 +47,11 @@ class DirectConnection(ServerConnection):
             and event.fin
             and not self.busy
             and not self.recv_messages.frames.queue
-            and handler(event.data)
         ):
-            return
+            try:
+                if handler(event.data):
+                    return
+            except Exception:
+                # A bug here must not break the connection's reading: the usual way handles the frame.
+                log.exception("the direct route failed on a frame; handing it to recv()")
         super().process_event(event)

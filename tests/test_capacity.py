@@ -185,3 +185,28 @@ def test_appends_arriving_with_a_format_change_in_one_read_are_heard_in_the_new_
                 assert heard["transcript"].startswith("heard 1000 ms")
 
     run(scenario(), timeout=30)
+
+
+def test_a_failure_on_the_direct_route_leaves_the_frame_to_the_usual_way(monkeypatch: pytest.MonkeyPatch) -> None:
+    from s2s_rt.pipeline.dispatch import Dispatcher
+
+    failed: list[str] = []
+
+    def broken(self: Dispatcher, message: str) -> bool:
+        failed.append(message)
+        raise RuntimeError("a bug on the direct route")
+
+    monkeypatch.setattr(Dispatcher, "receive_now", broken)
+
+    async def scenario() -> None:
+        async with live_server() as server:
+            async with RealtimeClient.connect(server, transcribe=True) as c:
+                await c.send("session.update", session={"turn_detection": None})
+                await c.until("session.updated")
+                await c.append_audio(tone(440, 0.5))
+                await c.send("input_audio_buffer.commit")
+                heard = await c.until("conversation.item.input_audio_transcription.completed")
+                assert heard["transcript"].startswith("heard 500 ms")
+        assert failed  # the appends were offered to the direct route first
+
+    run(scenario(), timeout=30)

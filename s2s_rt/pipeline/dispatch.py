@@ -66,7 +66,8 @@ class Dispatcher:
             return False
         slot = self.slot
         ctx = slot.ctx
-        assert ctx is not None
+        if ctx is None:
+            return False
         try:
             if not self._append(ctx, event):
                 return False
