@@ -475,26 +475,13 @@ class Server:
             ws.direct = direct
         try:
             async for message in ws:
-                now = loop.time()
-                activity.last = now
-                if budget.take(now):
-                    unreported = refusals.accepted(now)
-                    if unreported:
-                        await self._refused(slot, unreported)
-                    busy(ws, True)
-                    try:
-                        await slot.receive(message)
-                    finally:
-                        busy(ws, False)
-                    continue
-                # Refusing must cost less than the abuse: one notice a second, with a count.
-                unreported = refusals.refuse(now)
-                if unreported:
-                    await self._refused(slot, unreported)
-                if refusals.flooding_for(now) >= cfg.flood_close_s:
-                    text = f"Events were refused for {cfg.flood_close_s:g} s in a row; closing this connection"
-                    await slot.end_with_error(ProtocolError("rate_limit_flood", text), 1008)
-                    return "flood"
+                # From here until it is handled, nothing may overtake it on the direct route.
+                busy(ws, True)
+                try:
+                    if await self._one_message(slot, message, loop.time(), activity, budget, refusals):
+                        return "flood"
+                finally:
+                    busy(ws, False)
         finally:
             if isinstance(ws, DirectConnection):
                 ws.direct = None
@@ -504,6 +491,28 @@ class Server:
         if watchdog.cancelled():
             return None
         return watchdog.result()
+
+    async def _one_message(
+        self, slot: Slot, message: str | bytes, now: float, activity: Activity, budget: EventBudget, refusals: Refusals
+    ) -> bool:
+        """Handle one message that came the usual way; True when the connection is flooding and was closed."""
+        cfg = self.config
+        activity.last = now
+        if budget.take(now):
+            unreported = refusals.accepted(now)
+            if unreported:
+                await self._refused(slot, unreported)
+            await slot.receive(message)
+            return False
+        # Refusing must cost less than the abuse: one notice a second, with a count.
+        unreported = refusals.refuse(now)
+        if unreported:
+            await self._refused(slot, unreported)
+        if refusals.flooding_for(now) >= cfg.flood_close_s:
+            text = f"Events were refused for {cfg.flood_close_s:g} s in a row; closing this connection"
+            await slot.end_with_error(ProtocolError("rate_limit_flood", text), 1008)
+            return True
+        return False
 
     async def _refused(self, slot: Slot, count: int) -> None:
         cfg = self.config
