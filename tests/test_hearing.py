@@ -138,3 +138,10 @@ def test_vad_rows_are_reused_and_grow_without_mixing_sessions(vad: SileroVAD) ->
     fresh = vad.new_state()
     first = vad.speech_probabilities(windows[:1, 0], [fresh])
     np.testing.assert_allclose(first, expected[:1, 0], atol=1e-5)
+
+
+def test_empty_appends_of_several_sessions_in_one_tick_are_heard_as_nothing(vad: SileroVAD) -> None:
+    scope = Scope("test")
+    sessions = [ListeningState(vad.new_state(), None, PCM24) for _ in range(3)]
+    got = hear(vad, [(ls, [AudioBytes(scope, b"", PCM24)], True) for ls in sessions])
+    assert [(h.error, len(h.samples), len(h.probabilities)) for h in got] == [(None, 0, 0)] * 3
