@@ -13,7 +13,8 @@ earlier message waits in the queue or is still being handled there.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from websockets.asyncio.server import ServerConnection
 from websockets.frames import Frame, Opcode
@@ -29,14 +30,23 @@ class DirectConnection(ServerConnection):
         direct: takes a text message's bytes; returns True when it handled
             the message, False to leave it to ``recv()``. None: every
             message goes to ``recv()``.
-        busy: set by the ``recv()`` side while it handles a message, so
-            that nothing overtakes it.
+        busy: True while the ``recv()`` side handles a message (see
+            :meth:`handling`), so that nothing overtakes it.
     """
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.direct: Callable[[bytes | bytearray | memoryview], bool] | None = None
         self.busy = False
+
+    @contextmanager
+    def handling(self) -> Iterator[None]:
+        """Around the handling of a message taken from ``recv()``: nothing overtakes it meanwhile."""
+        self.busy = True
+        try:
+            yield
+        finally:
+            self.busy = False
 
     def process_event(self, event: Event) -> None:
         handler = self.direct

@@ -451,40 +451,33 @@ class Server:
         budget = EventBudget(cfg.max_events_per_s, cfg.max_events_burst)
         refusals = Refusals()
         activity = Activity(loop.time())
+        assert isinstance(ws, DirectConnection)  # serve() makes every connection one
         watchdog = asyncio.create_task(self._watch(ws, slot, activity), name=f"slot{slot.index}-watchdog")
 
         def direct(data: bytes | bytearray | memoryview) -> bool:
             # An append is handled as its frame is parsed: no task wakes per message.
             if refusals.unreported:
                 return False  # a notice is owed first: the usual way sends it
-            try:
-                text = str(data, "utf-8")
-            except UnicodeDecodeError:
-                return False  # the usual way closes with 1007
             now = loop.time()
             activity.last = now
             if not budget.take(now):
                 return False
-            if not slot.dispatch.receive_now(text):
+            # Not UTF-8 is not valid JSON either: declined, and the usual way closes with 1007.
+            if not slot.dispatch.receive_now(data):
                 budget.give_back()
                 return False
             refusals.accepted(now)
             return True
 
-        if isinstance(ws, DirectConnection):
-            ws.direct = direct
+        ws.direct = direct
         try:
             async for message in ws:
                 # From here until it is handled, nothing may overtake it on the direct route.
-                busy(ws, True)
-                try:
+                with ws.handling():
                     if await self._one_message(slot, message, loop.time(), activity, budget, refusals):
                         return "flood"
-                finally:
-                    busy(ws, False)
         finally:
-            if isinstance(ws, DirectConnection):
-                ws.direct = None
+            ws.direct = None
             # The watchdog is owned here: it ends with the connection, and is waited for.
             watchdog.cancel()
             await asyncio.wait((watchdog,))
@@ -710,12 +703,6 @@ class Server:
 
     def _overdue_calls(self) -> int:
         return sum(p.overdue for p in self.pools.values())
-
-
-def busy(ws: ServerConnection, value: bool) -> None:
-    """Mark that the receive loop is handling a message (nothing may overtake it on the direct route)."""
-    if isinstance(ws, DirectConnection):
-        ws.busy = value
 
 
 def _unauthorized() -> Response:

@@ -47,21 +47,18 @@ _ABOUT_TIME = re.compile(
 )
 
 
-def answer_context(now: datetime | None, language: str | None = None) -> str:
-    """The sentences added to the system message: the date and time, and the language to answer in.
+def date_context(now: datetime) -> str:
+    """The sentence that tells the model the date and time of the answer (the server's local time)."""
+    hour = now.hour % 12 or 12
+    return f"Today is {now:%A}, {now:%B} {now.day}, {now.year}, and the time is {hour}:{now:%M} {now:%p}."
 
-    Args:
-        now: the moment of the answer (the server's local time); None leaves the date out.
-        language: the language the user spoke (ISO 639-1), if known.
-    """
-    context = []
-    if now is not None:
-        hour = now.hour % 12 or 12
-        context.append(f"Today is {now:%A}, {now:%B} {now.day}, {now.year}, and the time is {hour}:{now:%M} {now:%p}.")
-    if language and language_code(language) != "en":
-        name = language_name(language)
-        context.append(f"The user speaks {name}: answer in {name}.")
-    return " ".join(context)
+
+def language_context(language: str | None) -> str:
+    """The sentence that ends the system message when the user spoke another language than English ("" for English)."""
+    if not language or language_code(language) == "en":
+        return ""
+    name = language_name(language)
+    return f"The user speaks {name}: answer in {name}."
 
 
 def with_answer_context(
@@ -92,9 +89,9 @@ def with_answer_context(
     if messages and messages[-1].role == "user" and _ABOUT_TIME.search(messages[-1].content):
         # After the question, not in the system message, which then stays the same from one answer to
         # the next (the server keeps the model state of the conversation so far: CT2ChatLLM.prime).
-        dated = f"{messages[-1].content}\n\n({answer_context(now or datetime.now())})"
+        dated = f"{messages[-1].content}\n\n({date_context(now or datetime.now())})"
         messages = [*messages[:-1], ChatMessage("user", dated)]
-    context = answer_context(None, language)
+    context = language_context(language)
     system = messages[0].content if messages and messages[0].role == "system" else None
     if system is None:
         return [ChatMessage("system", context), *messages] if context else list(messages)

@@ -13,22 +13,27 @@ from conftest import RealtimeClient, run, silence, tone
 from s2s_rt import Config, Server
 from s2s_rt.engines.base import ChatMessage
 from s2s_rt.engines.fake import EchoLLM, load_fake_stack
-from s2s_rt.spoken_answer import ANSWER_EXAMPLES, DEFAULT_INSTRUCTIONS, answer_context, with_answer_context
+from s2s_rt.spoken_answer import (
+    ANSWER_EXAMPLES,
+    DEFAULT_INSTRUCTIONS,
+    date_context,
+    language_context,
+    with_answer_context,
+)
 
 THURSDAY = datetime(2025, 6, 12, 15, 40)
 
 
 def test_the_answer_knows_the_date_and_time() -> None:
-    assert answer_context(THURSDAY) == "Today is Thursday, June 12, 2025, and the time is 3:40 PM."
+    assert date_context(THURSDAY) == "Today is Thursday, June 12, 2025, and the time is 3:40 PM."
 
 
 def test_a_user_who_spoke_german_is_answered_in_german() -> None:
-    assert answer_context(THURSDAY, "de").endswith("The user speaks German: answer in German.")
+    assert language_context("de") == "The user speaks German: answer in German."
 
 
 def test_english_needs_no_language_instruction() -> None:
-    assert "speaks" not in answer_context(THURSDAY, "en")
-    assert "speaks" not in answer_context(THURSDAY, None)
+    assert language_context("en") == language_context(None) == ""
 
 
 def test_a_question_about_time_gets_the_date_after_it_and_the_system_message_stays_the_same() -> None:

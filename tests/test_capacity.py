@@ -210,3 +210,18 @@ def test_a_failure_on_the_direct_route_leaves_the_frame_to_the_usual_way(monkeyp
         assert failed  # the appends were offered to the direct route first
 
     run(scenario(), timeout=30)
+
+
+def test_an_append_that_is_not_utf8_closes_the_connection_as_any_such_frame_does() -> None:
+    """The direct route reads a frame's bytes as JSON: bytes that are not UTF-8 are left to websockets (1007)."""
+
+    async def scenario() -> None:
+        async with live_server() as server:
+            async with RealtimeClient.connect(server) as c:
+                await c.until("session.created")
+                c.ws.protocol.send_text(b'{"type": "input_audio_buffer.append", "audio": "AAAA", "event_id": "\xff"}')
+                c.ws.send_data()
+                await asyncio.wait_for(c.ws.wait_closed(), 5)
+                assert c.ws.close_code == 1007
+
+    run(scenario(), timeout=30)

@@ -50,13 +50,14 @@ class Dispatcher:
                 exc.event_id = event.event_id
             await slot.outbox.error(exc)
 
-    def receive_now(self, message: str) -> bool:
+    def receive_now(self, message: bytes | bytearray | memoryview) -> bool:
         """Handle an audio append at once, if nothing about it needs waiting; else leave it (False).
 
         For the receive path's direct route: only a valid append whose audio
         is taken goes through here. Anything else, or anything that fails,
         returns False untouched, and :meth:`receive` handles it in full
-        (decoding it again, reporting what is wrong).
+        (decoding it again, reporting what is wrong). The frame's bytes are
+        decoded as they are: JSON decoding checks their UTF-8.
         """
         try:
             event = ce.decode_client_event(message)

@@ -355,9 +355,10 @@ class ListeningClock:
             ls = ctx.listening
             if ls.closing:
                 continue
-            lag = max(lag, ls.backlog_s(now))
-            if ls.backlog_s(now) > self.max_backlog_s:
-                slot.listener.fall_behind(ctx, ls.backlog_s(now))
+            backlog = ls.backlog_s(now)
+            lag = max(lag, backlog)
+            if backlog > self.max_backlog_s:
+                slot.listener.fall_behind(ctx, backlog)
                 continue
             # At most listen_s_per_tick of a session's audio per batch: one session's
             # flood cannot make the batch slow for everyone; its own backlog grows instead.

@@ -208,7 +208,7 @@ _decoder = msgspec.json.Decoder(ClientEvent)
 _loose = msgspec.json.Decoder()
 
 
-def decode_client_event(data: str | bytes) -> ClientEvent:
+def decode_client_event(data: str | bytes | bytearray | memoryview) -> ClientEvent:
     """Decode and validate one text frame.
 
     Args:
@@ -255,7 +255,7 @@ def _nulls_unset(struct: Struct) -> None:
                     _nulls_unset(element)
 
 
-def _classify(data: str | bytes, exc: Exception) -> ProtocolError:
+def _classify(data: str | bytes | bytearray | memoryview, exc: Exception) -> ProtocolError:
     try:
         raw = _loose.decode(data)
     except (msgspec.DecodeError, UnicodeDecodeError) as jexc:
