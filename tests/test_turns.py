@@ -265,3 +265,39 @@ def test_speculative_transcription_is_used_when_silence_lasts_and_dropped_when_s
                 assert len(c.of_type("input_audio_buffer.committed")) == 1
 
     run(scenario())
+
+
+def test_the_words_guessed_in_a_pause_depend_on_the_audio_not_on_how_it_was_sent() -> None:
+    """A speculative transcript is of the audio up to the point the pause was judged, however it was batched.
+
+    One client sends the turn in one append, another in 20 ms appends at
+    real-time pace; both are heard alike (same length, same checksum). The
+    guess once took whatever audio the listening tick had brought, so the
+    one-append turn was transcribed with all of its trailing silence.
+    """
+    audio = tone(440, 0.4) + silence(0.8)
+    step = 24_000 // 50 * 2
+
+    async def heard(server: object, paced: bool) -> str:
+        async with RealtimeClient.connect(server, transcribe=True) as c:  # type: ignore[arg-type]
+            if paced:
+                for i in range(0, len(audio), step):
+                    await c.append_audio(audio[i : i + step])
+                    await asyncio.sleep(0.02)
+            else:
+                await c.append_audio(audio)
+            done = await c.until("conversation.item.input_audio_transcription.completed")
+            await c.until("response.done")
+            return str(done["transcript"])
+
+    async def scenario() -> None:
+        async with live_server(speculate_after_ms=100) as server:
+            at_once = await heard(server, paced=False)
+            paced = await heard(server, paced=True)
+            metrics = (await http_get(server, "/metrics"))[1]
+        assert 's2s_speculative_stt_total{outcome="used"} 2' in metrics
+        assert at_once == paced, (at_once, paced)
+        # The turn's speech, its prefix padding and the pause judged: far from all 1.2 s sent.
+        assert int(at_once.split()[1]) < 1000, at_once
+
+    run(scenario())

@@ -92,9 +92,9 @@ class InputBuffer:
             self.chunks = [joined]
         return self.chunks[0]
 
-    def since(self, sample: int) -> tuple[tuple[Float32Array, ...], int]:
-        """The chunks holding audio from ``sample`` on, and the offset into the first: no copy."""
-        return tuple(self.chunks), max(0, sample - self.start_sample)
+    def between(self, start: int, end: int) -> tuple[tuple[Float32Array, ...], int, int]:
+        """The chunks holding audio in [start, end), with where it begins and ends in them joined: no copy."""
+        return tuple(self.chunks), max(0, start - self.start_sample), max(0, end - self.start_sample)
 
     def drop_before(self, sample: int) -> None:
         """Forget audio before ``sample``: whole chunks are let go, the first kept one is sliced (no copy)."""
@@ -183,9 +183,9 @@ class Heard:
     error: Exception | None = None
 
 
-def _join(chunks: tuple[Float32Array, ...], offset: int) -> Float32Array:
+def _join(chunks: tuple[Float32Array, ...], start: int, end: int) -> Float32Array:
     audio = chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
-    return audio[offset:]
+    return audio[start:end]
 
 
 def _resample_each(ls: ListeningState, segments: list[AudioBytes]) -> Float32Array:
@@ -684,7 +684,9 @@ class Listener:
         """
         ls = ctx.listening
         assert ls.detector is not None
-        chunks, offset = ls.buffer.since(ms_to_samples(ls.detector.start_ms))
+        # Up to the chunk just judged, not all the audio this tick brought: the words transcribed depend on
+        # the audio alone, never on how it was batched.
+        chunks, start, end = ls.buffer.between(ms_to_samples(ls.detector.start_ms), ls.clock)
         tr = ctx.session.config.transcription
         stt = self.slot.stack.stt
         started = threading.Event()
@@ -697,7 +699,7 @@ class Listener:
             started.set()
             try:
                 return stt.transcribe(
-                    _join(chunks, offset), language=tr.language if tr else None, prompt=tr.prompt if tr else None
+                    _join(chunks, start, end), language=tr.language if tr else None, prompt=tr.prompt if tr else None
                 )
             finally:
                 loop.call_soon_threadsafe(done_running)
@@ -744,6 +746,7 @@ class Listener:
         judged = [ChatMessage("system", JUDGE_SYSTEM), *context, ChatMessage("user", text)]
         try:
             speculation.finished = await self.slot.pools["llm"].call(judge, judged)
+            log.debug("slot %d: %r sounds finished with probability %.4g", self.slot.index, text, speculation.finished)
         except Exception as exc:
             log.warning("slot %d: judging the end of the turn failed: %r", self.slot.index, exc)
 
