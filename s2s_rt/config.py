@@ -80,6 +80,9 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_audio_backlog_s: float = 5.0
     #: While audio waits this long, no new session is admitted (``/readyz`` 503); again below half of it.
     shed_after_ms: float = 250.0
+    #: A session is admitted only while listening, with every admitted session and the new one streaming,
+    #: is predicted busy at most this fraction of the time (cost per session measured as it runs).
+    max_listening_load: float = 0.7
 
     # Memory budget per session (MiB); each bound is enforced and shown in /metrics
     #: Encoded events waiting to be sent: past it, the session's producers wait for the client to read.

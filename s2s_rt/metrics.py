@@ -106,6 +106,7 @@ class Metrics:
         hung_calls: Callable[[], int],
         held_bytes: Callable[[], dict[str, int]] = dict,
         llm_prefixes: Callable[[], dict[str, int]] = dict,
+        listening: Callable[[], dict[str, float]] = dict,
     ) -> None:
         self.sessions_total = Counter("s2s_sessions_total", "Sessions started.")
         self.rejections = Counter("s2s_rejections_total", "Connections refused, by reason.")
@@ -131,6 +132,13 @@ class Metrics:
             "The local LLM: conversation state kept (prefix_tokens, prefixes), model reloads to forget it,"
             " answers resumed after giving way to one not yet heard.",
             lambda: {(("what", k),): float(v) for k, v in llm_prefixes().items()},
+        )
+        self.listening = Gauge(
+            "s2s_listening",
+            "The listening clock: busy seconds per second of one session's audio (cost), the fraction of the"
+            " time it would be busy with every admitted session streaming (load), and how late its last batch"
+            " started (lag_seconds).",
+            lambda: {(("what", k),): v for k, v in listening().items()},
         )
         self.stage_latency = Histogram("s2s_stage_seconds", "Time per engine call, by stage.")
         self.turn_latency = Histogram(

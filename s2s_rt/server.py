@@ -134,7 +134,9 @@ class Server:
         self.draining = False
         self._per_ip: dict[str, int] = {}
         self._trusted = [ipaddress.ip_network(p, strict=False) for p in self.config.trusted_proxies]
-        self.metrics = Metrics(self._slot_states, self._overdue_calls, self._held_bytes, self._llm_prefixes)
+        self.metrics = Metrics(
+            self._slot_states, self._overdue_calls, self._held_bytes, self._llm_prefixes, self._listening
+        )
         self.pool: Pool | None = None
         self.pools: dict[str, StagePool] = {}
         self.clock: ListeningClock | None = None
@@ -211,6 +213,14 @@ class Server:
             listen_s_per_tick=cfg.listen_s_per_tick,
             max_backlog_s=cfg.max_audio_backlog_s,
             shed_after_s=cfg.shed_after_ms / 1000,
+            max_load=cfg.max_listening_load,
+        )
+        cost = await clock.calibrate()
+        log.info(
+            "hearing costs %.0f µs per tick and %.2f ms per second of a session's audio (measured at start;"
+            " remeasured as sessions stream)",
+            cost.overhead_s * 1e6,
+            cost.prior * 1000,
         )
         slots = [
             Slot(
@@ -341,14 +351,14 @@ class Server:
             text = f"At most {cfg.max_connections_per_ip} concurrent connections per client address"
             await self._refuse(ws, "too_many_connections", text, 1008)
             return
-        slot = None if self.closing or self.draining or self.overloaded else await self._claim()
+        slot = None if self.closing or self.draining or not self._admits() else await self._claim()
         if slot is None:
             if self.closing or self.draining:
                 await self._refuse(ws, "shutting_down", "The server is not taking new sessions", 1013)
-            elif self.overloaded:
-                # Refused before the admitted sessions degrade: their audio is already waiting.
-                text = "The server is at capacity (it is behind on listening); try again later"
-                await self._refuse(ws, "session_limit_reached", text, 1013)
+            elif not self._admits():
+                # Refused before the admitted sessions degrade.
+                text = "The server is at capacity (listening to one more session would make every one late)"
+                await self._refuse(ws, "session_limit_reached", f"{text}; try again later", 1013)
             else:
                 text = f"All {len(self.pool.slots)} sessions are in use; try again later"
                 await self._refuse(ws, "session_limit_reached", text, 1013)
@@ -580,7 +590,7 @@ class Server:
         if path == "/healthz":
             return _response(HTTPStatus.OK, "ok\n")
         if path == "/readyz":
-            free = 0 if self.closing or self.draining or self.overloaded else self.pool.free
+            free = 0 if self.closing or self.draining or not self._admits() else self.pool.free
             status = HTTPStatus.OK if free else HTTPStatus.SERVICE_UNAVAILABLE
             return _response(
                 status, f"{'ready' if free else 'not ready'}: {free} of {len(self.pool.slots)} slots free\n"
@@ -657,10 +667,20 @@ class Server:
                 ok |= hmac.compare_digest(candidate.encode(), key.encode())
         return ok
 
-    @property
-    def overloaded(self) -> bool:
-        """Behind on listening: admitting more sessions would make every session worse."""
-        return self.clock is not None and self.clock.overloaded
+    def _listening(self) -> dict[str, float]:
+        clock = self.clock
+        if clock is None or self.pool is None:
+            return {}
+        return {
+            "cost": clock.cost.value_at(time.monotonic()),
+            "load": clock.load(self.pool.busy()),
+            "lag_seconds": clock.lag_s,
+        }
+
+    def _admits(self) -> bool:
+        """Whether listening can take one more session (:meth:`ListeningClock.admits`)."""
+        assert self.pool is not None
+        return self.clock is None or self.clock.admits(self.pool.busy())
 
     def drain(self) -> None:
         """Stop taking new sessions (``/readyz`` 503); running sessions carry on."""

@@ -23,6 +23,7 @@ from websockets.asyncio.client import connect
 from s2s_rt.audio import AudioFormat
 from s2s_rt.engines.fake import EnergyVAD
 from s2s_rt.inference import call_lowered
+from s2s_rt.pipeline.listening import ListeningCost
 
 
 def test_when_listening_falls_behind_new_sessions_are_refused_and_admitted_ones_go_on(
@@ -71,6 +72,109 @@ def test_when_listening_falls_behind_new_sessions_are_refused_and_admitted_ones_
                 assert (await again.recv())["type"] == "session.created"
 
     run(scenario(), timeout=60)
+
+
+#: The flood test's VAD: seconds of work per second of audio it scores (capacity ≈ max load / this).
+FLOOD_VAD_COST = 0.04
+
+
+def test_a_flood_beyond_capacity_is_refused_while_the_admitted_keep_their_decisions_prompt(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Forty clients connect at once, thirty more a second later, to a server that can listen to about fifteen.
+
+    The VAD costs 40 ms per second of audio (a sleep, so the measure does
+    not depend on the test machine's speed): seventeen sessions would keep
+    the clock 70 % busy. Admission counts every admitted session as
+    streaming, those not yet sending too, so the excess of each flood is
+    refused at once with ``session_limit_reached`` (the first by the cost
+    calibrated at start, the second by the cost measured meanwhile), and
+    each admitted session's audio keeps being heard within 50 ms: a
+    ``clear`` sent after its audio is answered once that audio is heard,
+    as the load script probes. Without the prediction all are admitted
+    and the probes go unanswered for seconds (checked).
+    """
+    original = EnergyVAD.speech_probabilities
+
+    def vad(self, chunks, states):  # type: ignore[no-untyped-def]
+        time.sleep(FLOOD_VAD_COST * len(chunks) * self.chunk_samples / 16_000)
+        return original(self, chunks, states)
+
+    monkeypatch.setattr(EnergyVAD, "speech_probabilities", vad)
+    chunk = silence(0.02)
+    append = json.dumps({"type": "input_audio_buffer.append", "audio": base64.b64encode(chunk).decode()})
+    clear = json.dumps({"type": "input_audio_buffer.clear"})
+
+    async def client(server: object, delays: list[float]) -> str:
+        """Stream 3 s of silence at real time, probing every 200 ms; returns how the session went."""
+        url = f"ws://127.0.0.1:{server.port}/v1/realtime"  # type: ignore[attr-defined]
+        async with connect(url) as ws:
+            first = json.loads(await ws.recv())
+            if first["type"] == "error":
+                await ws.wait_closed()
+                assert ws.close_code == 1013, ws.close_code
+                return first["error"]["code"]
+            assert first["type"] == "session.created"
+            loop = asyncio.get_running_loop()
+            probes: dict[int, float] = {}
+
+            async def read() -> None:
+                async for raw in ws:
+                    event = json.loads(raw)
+                    assert event["type"] in ("input_audio_buffer.cleared", "conversation.created"), event
+                    if event["type"] == "input_audio_buffer.cleared":
+                        delays.append(loop.time() - probes.pop(min(probes)))
+
+            reader = asyncio.create_task(read())
+            start = loop.time()
+            for i in range(150):
+                await ws.send(append)
+                if i % 10 == 9:
+                    probes[i] = loop.time()
+                    await ws.send(clear)
+                await asyncio.sleep(max(0.0, start + (i + 1) * 0.02 - loop.time()))
+            for _ in range(100):
+                if not probes:
+                    break
+                await asyncio.sleep(0.02)
+            if reader.done():
+                reader.result()  # raises what the reader found
+            reader.cancel()
+            assert not probes, "every probe is answered"
+            return "admitted"
+
+    async def scenario() -> tuple[list[str], list[float], float]:
+        async with live_server(pool_size=70, max_listening_load=0.7) as server:
+            cost = server.clock.cost.prior  # calibrated at start
+            delays: list[float] = []
+            first = [asyncio.create_task(client(server, delays)) for _ in range(40)]
+            await asyncio.sleep(1.0)  # a second flood while the admitted are streaming
+            second = [asyncio.create_task(client(server, delays)) for _ in range(30)]
+            return list(await asyncio.gather(*first, *second)), delays, cost
+
+    outcomes, delays, cost = run(scenario(), timeout=60)
+    admitted = outcomes.count("admitted")
+    refused = outcomes.count("session_limit_reached")
+    assert admitted + refused == 70, outcomes
+    assert cost >= FLOOD_VAD_COST  # the calibration saw the VAD's cost
+    assert 1 <= admitted <= 0.7 / FLOOD_VAD_COST, (admitted, cost)
+    delays.sort()
+    assert len(delays) == admitted * 15
+    p90 = delays[int(0.9 * len(delays))]
+    assert p90 < 0.05, (admitted, f"probe p50 {delays[len(delays) // 2] * 1000:.0f} ms, p90 {p90 * 1000:.0f} ms")
+
+
+def test_the_cost_of_hearing_is_what_ticks_measure_and_returns_to_the_calibrated_one_when_none_stream() -> None:
+    cost = ListeningCost(prior=0.002, overhead_s=0.0003, window_s=2.0, prior_weight_s=1.0)
+    assert cost.value_at(0.0) == pytest.approx(0.002)
+    # 200 sessions streaming: ticks of 2 s of audio in all, each busy 0.3 ms plus 5 ms per second of audio.
+    for i in range(1000):
+        cost.add(0.0003 + 0.005 * 2.0, 2.0, now=i * 0.01)
+    assert cost.value_at(10.0) == pytest.approx(0.005, rel=0.01)
+    # A slow spell nobody remeasures (the sessions stopped) fades back to the calibrated cost.
+    cost.add(0.5, 0.1, now=10.0)
+    assert cost.value_at(10.0) > 0.005
+    assert cost.value_at(40.0) == pytest.approx(0.002, rel=0.01)
 
 
 def test_a_session_whose_audio_piles_up_is_closed_alone_with_its_error() -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import math
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -276,6 +277,59 @@ def hear(vad: VAD, work: Sequence[tuple[ListeningState, list[AudioBytes], bool]]
     return heard  # type: ignore[return-value]
 
 
+#: A session costs the clock about this many times what :meth:`ListeningClock.calibrate` measures: its
+#: appends parsed on the loop and its decisions handled there are not in that measure. Measured at 100-250
+#: listening sessions on the 2-core machine: 3.3-4.1 ms per second of audio as sessions streamed, against
+#: 2.0-2.4 ms by calibration.
+LOOP_SHARE = 2.0
+
+
+class ListeningCost:
+    """What hearing costs the clock, measured: a fixed part per tick and a part per second of audio.
+
+    A tick of ``A`` seconds of audio (all sessions together) keeps the
+    clock busy about ``overhead_s + value × A`` seconds: its executor call,
+    waiting for the GIL and the loop included, and the loop's handling of
+    what was heard. ``overhead_s`` is measured once at start
+    (:meth:`ListeningClock.calibrate`), and so is ``prior``, the first
+    ``value``. Then each tick counts: ``value`` is the ratio of two sums
+    over ticks, busy time less the overhead and audio heard, each
+    decaying with ``window_s``, with ``prior`` counted as ``prior_weight_s``
+    seconds of audio heard. So while many sessions stream it is what they
+    cost now, and when few do (or none, after a slow spell) it returns to
+    the prior instead of keeping a figure nobody remeasures.
+    """
+
+    def __init__(
+        self, prior: float, overhead_s: float = 0.0, window_s: float = 2.0, prior_weight_s: float = 1.0
+    ) -> None:
+        self.prior = prior
+        self.overhead_s = overhead_s
+        self.window_s = window_s
+        self.prior_weight_s = prior_weight_s
+        self._busy = 0.0
+        self._heard = 0.0
+        self._at: float | None = None
+
+    def add(self, busy_s: float, heard_s: float, now: float) -> None:
+        """One tick: ``busy_s`` spent hearing ``heard_s`` of audio (all sessions together)."""
+        self._decay(now)
+        self._busy += busy_s - self.overhead_s
+        self._heard += heard_s
+
+    def _decay(self, now: float) -> None:
+        if self._at is not None:
+            keep = math.exp(-max(0.0, now - self._at) / self.window_s)
+            self._busy *= keep
+            self._heard *= keep
+        self._at = now
+
+    def value_at(self, now: float) -> float:
+        """Busy seconds per second of one session's audio, as measured up to ``now``."""
+        self._decay(now)
+        return (max(0.0, self._busy) + self.prior * self.prior_weight_s) / (self._heard + self.prior_weight_s)
+
+
 class ListeningClock:
     """Hears every session's audio on a short clock, in one executor call per tick.
 
@@ -288,6 +342,9 @@ class ListeningClock:
         listen_s_per_tick: most seconds of one session's audio in one batch.
         max_backlog_s: a session whose audio waits longer is closed alone.
         shed_after_s: past this backlog of the clock itself, no session is admitted.
+        max_load: a session is admitted only while the clock, with every
+            admitted session and the new one streaming in real time, would
+            be busy at most this fraction of the time (:meth:`admits`).
     """
 
     def __init__(
@@ -300,6 +357,7 @@ class ListeningClock:
         listen_s_per_tick: float = 1.0,
         max_backlog_s: float = 5.0,
         shed_after_s: float = 0.25,
+        max_load: float = 0.7,
     ) -> None:
         self.vad = vad
         self.pool = pool
@@ -315,6 +373,55 @@ class ListeningClock:
         self.overloaded = False
         #: Seconds the oldest audio of any session waited before its batch started, last tick.
         self.lag_s = 0.0
+        self.max_load = max_load
+        #: Busy seconds per second of a session's audio (measured; :meth:`calibrate` gives the first).
+        self.cost = ListeningCost(prior=0.0)
+
+    def load(self, sessions: int) -> float:
+        """The fraction of the time the clock would be busy with ``sessions`` streaming in real time.
+
+        At most one tick per ``tick_s`` pays the fixed part; each second of
+        audio costs :meth:`ListeningCost.value_at`.
+        """
+        return self.cost.overhead_s / self.tick_s + sessions * self.cost.value_at(time.monotonic())
+
+    def admits(self, sessions: int) -> bool:
+        """Whether one more session may join ``sessions``: listening is not behind, nor predicted to be.
+
+        The prediction counts every admitted session as streaming, those
+        not yet sending too, so that a flood of connections is refused
+        before its audio arrives, not after the admitted fall behind.
+        """
+        return not self.overloaded and self.load(sessions + 1) <= self.max_load
+
+    async def calibrate(self, sessions: int = 64, windows: int = 4) -> ListeningCost:
+        """Measure what hearing costs before any session has been heard.
+
+        Synthetic sessions of silence at 24 kHz, first one and then
+        ``sessions``, are heard a tick's worth of audio at a time, as
+        ticks would, until each has had ``windows`` VAD windows. The two
+        give the fixed part per tick and the first cost per second of
+        audio (times :data:`LOOP_SHARE`); real ticks then replace the latter.
+        """
+        fmt = AudioFormat()
+        per_tick = int(fmt.rate * self.tick_s)
+        ticks = -(-windows * self.vad.chunk_samples * fmt.rate // PIPELINE_RATE // per_tick)
+        data = bytes(per_tick * fmt.bytes_per_sample)
+        scope = Scope("calibration")
+        took = {}
+        for n in (1, sessions, 1, sessions):  # the first two warm up (first engine calls are slow)
+            states = [ListeningState(self.vad.new_state(), None, fmt) for _ in range(n)]
+            start = time.perf_counter()
+            for _ in range(ticks):
+                await self.pool.call(hear, self.vad, [(ls, [AudioBytes(scope, data, fmt)], True) for ls in states])
+            took[n] = (time.perf_counter() - start) / ticks
+        per_session = max(0.0, took[sessions] - took[1]) / (sessions - 1)
+        self.cost = ListeningCost(
+            prior=LOOP_SHARE * per_session / self.tick_s,
+            overhead_s=max(0.0, took[1] - per_session),
+            window_s=self.cost.window_s,
+        )
+        return self.cost
 
     def wake(self, slot: Slot) -> None:
         """``slot`` has something in its inbox."""
@@ -344,8 +451,10 @@ class ListeningClock:
 
     async def tick(self) -> None:
         """One batch: every ready session's leading audio, then its commands."""
+        started = time.perf_counter()
         ready, self._ready = self._ready, set()
         now = time.monotonic()
+        heard_total_s = 0.0
         work: list[tuple[Slot, SessionContext, ListeningState, list[AudioBytes], bool]] = []
         lag = 0.0
         for slot in ready:
@@ -368,6 +477,7 @@ class ListeningClock:
                 seg = ls.inbox.popleft()
                 segments.append(seg)
                 heard_s += len(seg.data) / (seg.format.rate * seg.format.bytes_per_sample)
+            heard_total_s += heard_s
             work.append((slot, ctx, ls, segments, ls.detector is not None))
         self._shed(lag)
         batch = [(ls, segments, score) for _, _, ls, segments, score in work if segments]
@@ -387,6 +497,7 @@ class ListeningClock:
             slot.listener.commands(ctx)
             if ls.inbox:
                 self.wake(slot)
+        self.cost.add(time.perf_counter() - started, heard_total_s, now)
 
     def _shed(self, lag: float) -> None:
         self.lag_s = lag
