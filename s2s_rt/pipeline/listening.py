@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -58,6 +58,7 @@ if TYPE_CHECKING:
     from s2s_rt.slot import Slot
 
 log = logging.getLogger("s2s_rt.slot")
+T = TypeVar("T")
 
 #: ``semantic_vad``: what the LLM reads to judge whether the user has finished (besides their words).
 JUDGE_SYSTEM = "You are a helpful voice assistant."
@@ -203,6 +204,13 @@ def _resample_each(ls: ListeningState, segments: list[AudioBytes]) -> Float32Arr
 _NOTHING = np.zeros(0, np.float32)
 
 
+def _timed(fn: Callable[..., T], *args: Any) -> tuple[T, float]:
+    """``fn(*args)`` and the seconds it took (in the thread that runs it)."""
+    start = time.perf_counter()
+    result = fn(*args)
+    return result, time.perf_counter() - start
+
+
 def hear(vad: VAD, work: Sequence[tuple[ListeningState, list[AudioBytes], bool]]) -> list[Heard]:
     """Decode, resample and score every session's new audio (runs in the VAD worker thread).
 
@@ -277,19 +285,19 @@ def hear(vad: VAD, work: Sequence[tuple[ListeningState, list[AudioBytes], bool]]
     return heard  # type: ignore[return-value]
 
 
-#: A session costs the clock about this many times what :meth:`ListeningClock.calibrate` measures: its
-#: appends parsed on the loop and its decisions handled there are not in that measure. Measured at 100-250
-#: listening sessions on the 2-core machine: 3.3-4.1 ms per second of audio as sessions streamed, against
-#: 2.0-2.4 ms by calibration.
-LOOP_SHARE = 2.0
+#: Hearing a session costs the clock about this many times more while sessions stream than
+#: :meth:`ListeningClock.calibrate` measures alone at start: the hearing thread then waits for the GIL
+#: while the loop receives every session's appends. Measured on the 2-core machine at 100-200 listening
+#: sessions: 3.4-4.4 ms of the clock's time per second of a session's audio, against 2.0-2.4 ms at start.
+CONTENTION = 1.7
 
 
 class ListeningCost:
     """What hearing costs the clock, measured: a fixed part per tick and a part per second of audio.
 
     A tick of ``A`` seconds of audio (all sessions together) keeps the
-    clock busy about ``overhead_s + value × A`` seconds: its executor call,
-    waiting for the GIL and the loop included, and the loop's handling of
+    clock busy about ``overhead_s + value × A`` seconds: the hearing in the
+    executor (its waits for the GIL included) and the loop's handling of
     what was heard. ``overhead_s`` is measured once at start
     (:meth:`ListeningClock.calibrate`), and so is ``prior``, the first
     ``value``. Then each tick counts: ``value`` is the ratio of two sums
@@ -357,7 +365,7 @@ class ListeningClock:
         listen_s_per_tick: float = 1.0,
         max_backlog_s: float = 5.0,
         shed_after_s: float = 0.25,
-        max_load: float = 0.7,
+        max_load: float = 0.55,
     ) -> None:
         self.vad = vad
         self.pool = pool
@@ -401,7 +409,7 @@ class ListeningClock:
         ``sessions``, are heard a tick's worth of audio at a time, as
         ticks would, until each has had ``windows`` VAD windows. The two
         give the fixed part per tick and the first cost per second of
-        audio (times :data:`LOOP_SHARE`); real ticks then replace the latter.
+        audio (times :data:`CONTENTION`); real ticks then replace the latter.
         """
         fmt = AudioFormat()
         per_tick = int(fmt.rate * self.tick_s)
@@ -411,13 +419,13 @@ class ListeningClock:
         took = {}
         for n in (1, sessions, 1, sessions):  # the first two warm up (first engine calls are slow)
             states = [ListeningState(self.vad.new_state(), None, fmt) for _ in range(n)]
-            start = time.perf_counter()
+            took[n] = 0.0
             for _ in range(ticks):
-                await self.pool.call(hear, self.vad, [(ls, [AudioBytes(scope, data, fmt)], True) for ls in states])
-            took[n] = (time.perf_counter() - start) / ticks
+                batch = [(ls, [AudioBytes(scope, data, fmt)], True) for ls in states]
+                took[n] += (await self.pool.call(_timed, hear, self.vad, batch))[1] / ticks
         per_session = max(0.0, took[sessions] - took[1]) / (sessions - 1)
         self.cost = ListeningCost(
-            prior=LOOP_SHARE * per_session / self.tick_s,
+            prior=CONTENTION * per_session / self.tick_s,
             overhead_s=max(0.0, took[1] - per_session),
             window_s=self.cost.window_s,
         )
@@ -481,7 +489,9 @@ class ListeningClock:
             work.append((slot, ctx, ls, segments, ls.detector is not None))
         self._shed(lag)
         batch = [(ls, segments, score) for _, _, ls, segments, score in work if segments]
-        heard = await self.pool.call(hear, self.vad, batch) if batch else []
+        before = time.perf_counter()
+        heard, hearing_s = await self.pool.call(_timed, hear, self.vad, batch) if batch else ([], 0.0)
+        after = time.perf_counter()
         results = iter(heard)
         for slot, ctx, ls, segments, _ in work:
             got = next(results) if segments else None
@@ -497,7 +507,8 @@ class ListeningClock:
             slot.listener.commands(ctx)
             if ls.inbox:
                 self.wake(slot)
-        self.cost.add(time.perf_counter() - started, heard_total_s, now)
+        # The clock's own work: not the wait for the executor (the loop's other work, handshakes among it).
+        self.cost.add(before - started + hearing_s + time.perf_counter() - after, heard_total_s, now)
 
     def _shed(self, lag: float) -> None:
         self.lag_s = lag
