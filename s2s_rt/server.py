@@ -351,7 +351,7 @@ class Server:
             text = f"At most {cfg.max_connections_per_ip} concurrent connections per client address"
             await self._refuse(ws, "too_many_connections", text, 1008)
             return
-        slot = None if self.closing or self.draining or not self._admits() else await self._claim()
+        slot = None if self.closing or self.draining else await self._claim()
         if slot is None:
             if self.closing or self.draining:
                 await self._refuse(ws, "shutting_down", "The server is not taking new sessions", 1013)
@@ -432,11 +432,15 @@ class Server:
         A load balancer counts a session as gone when its TCP connection
         closes, a moment before the slot has drained. A client sent in that
         gap waits (briefly) for the draining slot instead of being refused.
+        None also while listening cannot take one more session, checked
+        again after such a wait (others may have been admitted meanwhile).
         """
         assert self.pool is not None
         loop = asyncio.get_running_loop()
         deadline = loop.time() + min(self.config.drain_deadline_s, 2.0)
         while True:
+            if not self._admits():
+                return None
             slot = self.pool.claim()
             if slot is not None or not self.pool.draining() or self.closing or self.draining:
                 return slot
@@ -445,7 +449,7 @@ class Server:
                 async with asyncio.timeout_at(deadline):
                     await self._changed.wait()
             except TimeoutError:
-                return self.pool.claim()
+                return self.pool.claim() if self._admits() else None
 
     async def _receive_loop(self, ws: ServerConnection, slot: Slot) -> str | None:
         """Feed the client's frames to its slot until the socket closes or a limit ends the session.

@@ -5,8 +5,13 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
 from conftest import RealtimeClient, eventually, http_get, live_server, run
+from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
+
+from s2s_rt import Server
+from s2s_rt.slot import Slot
 
 
 def test_pool_full_rejects_with_session_limit_reached_and_1013() -> None:
@@ -79,3 +84,40 @@ def test_http_endpoints_and_404() -> None:
             assert (await http_get(server, "/v1/realtime/extra"))[0] == 404
 
     run(scenario())
+
+
+def test_a_client_waiting_for_a_draining_slot_is_refused_if_listening_filled_up_meanwhile(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Admission is decided again after the wait for a draining slot, not only before it."""
+    finish = Slot._finish_drain
+
+    def slow_drain(self: Slot) -> None:  # the slot stays draining 300 ms (a slow teardown)
+        asyncio.get_running_loop().call_later(0.3, finish, self)
+
+    monkeypatch.setattr(Slot, "_finish_drain", slow_drain)
+
+    async def scenario() -> None:
+        async with live_server(pool_size=1) as server:
+            assert server.clock is not None and server.pool is not None
+            async with RealtimeClient.connect(server) as a:
+                await a.until("session.created")
+            await eventually(lambda: _draining(server), 1.0)
+            # The next client waits for the draining slot; meanwhile listening is predicted full.
+            url = f"ws://127.0.0.1:{server.port}/v1/realtime"
+            waiting = asyncio.ensure_future(connect(url))
+            await asyncio.sleep(0.1)
+            server.clock.max_load = 0.0
+            async with await waiting as b:
+                refused = json.loads(await b.recv())
+                assert refused["error"]["code"] == "session_limit_reached", refused
+                assert "capacity" in refused["error"]["message"]
+                await b.wait_closed()
+                assert b.close_code == 1013
+
+    run(scenario())
+
+
+async def _draining(server: Server) -> bool:
+    assert server.pool is not None
+    return server.pool.states()["draining"] == 1
