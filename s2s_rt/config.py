@@ -201,6 +201,12 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ConfigError("semantic_min_silence_ms <= semantic_unknown_ms must be within 0..8000")
         if not 0 <= self.engine_nice <= 19:
             raise ConfigError(f"engine_nice must be 0..19, not {self.engine_nice}")
+        if not (self.listen_tick_ms > 0 and self.listen_s_per_tick > 0):
+            raise ConfigError("listen_tick_ms and listen_s_per_tick must be positive")
+        if not 0 < self.max_listening_load <= 1000:  # also refuses NaN
+            raise ConfigError(
+                f"max_listening_load must be above 0 (a fraction of the time), not {self.max_listening_load}"
+            )
         if not 1 <= self.first_clause_words <= 50:
             raise ConfigError("first_clause_words must be 1..50")
         if self.llm_prefix_cache_tokens < 0 or self.llm_prefix_session_tokens < 0:

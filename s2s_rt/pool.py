@@ -42,6 +42,10 @@ class Pool:
     def draining(self) -> int:
         return sum(1 for s in self.slots if s.state is SlotState.DRAINING)
 
+    def active(self) -> int:
+        """Slots serving a session (not those draining one that ended)."""
+        return sum(1 for s in self.slots if s.state is SlotState.ACTIVE)
+
     def busy(self) -> int:
         return sum(1 for s in self.slots if s.state in (SlotState.ACTIVE, SlotState.DRAINING))
 

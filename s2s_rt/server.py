@@ -215,13 +215,6 @@ class Server:
             shed_after_s=cfg.shed_after_ms / 1000,
             max_load=cfg.max_listening_load,
         )
-        cost = await clock.calibrate()
-        log.info(
-            "hearing costs %.0f µs per tick and %.2f ms per second of a session's audio (measured at start;"
-            " remeasured as sessions stream)",
-            cost.overhead_s * 1e6,
-            cost.prior * 1000,
-        )
         slots = [
             Slot(
                 i,
@@ -253,6 +246,15 @@ class Server:
         self.pool = Pool(slots)
         tasks: list[asyncio.Task[Any]] = []
         try:
+            cost = await clock.calibrate()
+            log.info(
+                "hearing costs %.0f µs per tick and %.2f ms per second of a session's audio (measured at start;"
+                " remeasured as sessions stream): about %d listening sessions under a load of %g",
+                cost.overhead_s * 1e6,
+                cost.prior * 1000,
+                (cfg.max_listening_load - cost.overhead_s / clock.tick_s) / cost.prior if cost.prior else cfg.pool_size,
+                cfg.max_listening_load,
+            )
             async with asyncio.TaskGroup() as tg:
                 tasks += [tg.create_task(s.run(), name=f"slot{s.index}") for s in slots]
                 tasks.append(tg.create_task(clock.run(), name="listening-clock"))
@@ -677,14 +679,14 @@ class Server:
             return {}
         return {
             "cost": clock.cost.value_at(time.monotonic()),
-            "load": clock.load(self.pool.busy()),
+            "load": clock.load(self.pool.active()),
             "lag_seconds": clock.lag_s,
         }
 
     def _admits(self) -> bool:
         """Whether listening can take one more session (:meth:`ListeningClock.admits`)."""
         assert self.pool is not None
-        return self.clock is None or self.clock.admits(self.pool.busy())
+        return self.clock is None or self.clock.admits(self.pool.active())
 
     def drain(self) -> None:
         """Stop taking new sessions (``/readyz`` 503); running sessions carry on."""

@@ -145,18 +145,19 @@ def test_a_flood_beyond_capacity_is_refused_while_the_admitted_keep_their_decisi
 
     async def scenario() -> tuple[list[str], list[float], float]:
         async with live_server(pool_size=70, max_listening_load=0.7) as server:
-            cost = server.clock.cost.prior  # calibrated at start
             delays: list[float] = []
             first = [asyncio.create_task(client(server, delays)) for _ in range(40)]
             await asyncio.sleep(1.0)  # a second flood while the admitted are streaming
             second = [asyncio.create_task(client(server, delays)) for _ in range(30)]
-            return list(await asyncio.gather(*first, *second)), delays, cost
+            outcomes = list(await asyncio.gather(*first, *second))
+            cost = server.clock.cost.value_at(time.monotonic())  # as measured while they streamed
+            return outcomes, delays, cost
 
     outcomes, delays, cost = run(scenario(), timeout=60)
     admitted = outcomes.count("admitted")
     refused = outcomes.count("session_limit_reached")
     assert admitted + refused == 70, outcomes
-    assert cost >= FLOOD_VAD_COST  # the calibration saw the VAD's cost
+    assert cost >= 0.9 * FLOOD_VAD_COST  # the clock measured the VAD's cost
     assert 1 <= admitted <= 0.7 / FLOOD_VAD_COST, (admitted, cost)
     delays.sort()
     assert len(delays) == admitted * 15
@@ -171,10 +172,37 @@ def test_the_cost_of_hearing_is_what_ticks_measure_and_returns_to_the_calibrated
     for i in range(1000):
         cost.add(0.0003 + 0.005 * 2.0, 2.0, now=i * 0.01)
     assert cost.value_at(10.0) == pytest.approx(0.005, rel=0.01)
+    # Ticks that heard nothing (commands only) neither lower nor raise it; nor does a reading taken meanwhile.
+    for i in range(100):
+        cost.add(0.0001, 0.0, now=10.0 + i * 0.01)
+    assert cost.value_at(9.5) == pytest.approx(0.005, rel=0.01)
+    assert cost.value_at(11.0) == pytest.approx(0.005, rel=0.01)
     # A slow spell nobody remeasures (the sessions stopped) fades back to the calibrated cost.
-    cost.add(0.5, 0.1, now=10.0)
-    assert cost.value_at(10.0) > 0.005
-    assert cost.value_at(40.0) == pytest.approx(0.002, rel=0.01)
+    cost.add(0.5, 0.1, now=11.0)
+    assert cost.value_at(11.0) > 0.005
+    assert cost.value_at(41.0) == pytest.approx(0.002, rel=0.01)
+
+
+def test_the_first_session_is_admitted_whatever_the_prediction_and_the_next_one_is_refused_by_it() -> None:
+    """With no session, nothing is ever measured again: a bad start must not refuse everyone for good."""
+
+    async def scenario() -> None:
+        async with live_server(pool_size=4, max_listening_load=1e-9) as server:
+            async with RealtimeClient.connect(server) as first:
+                assert (await first.recv())["type"] == "session.created"
+                assert (await http_get(server, "/readyz"))[0] == 503
+                async with RealtimeClient.connect(server) as second:
+                    refused = await second.recv()
+                    assert refused["error"]["code"] == "session_limit_reached"
+                    assert "capacity" in refused["error"]["message"]
+            for _ in range(100):
+                if (await http_get(server, "/readyz"))[0] == 200:
+                    break
+                await asyncio.sleep(0.02)
+            async with RealtimeClient.connect(server) as again:
+                assert (await again.recv())["type"] == "session.created"
+
+    run(scenario(), timeout=30)
 
 
 def test_a_session_whose_audio_piles_up_is_closed_alone_with_its_error() -> None:

@@ -64,6 +64,11 @@ def test_bad_config_names_the_problem(tmp_path: Path) -> None:
         load_config(f, environ={})
     with pytest.raises(ConfigError, match="pool_size"):
         load_config(None, environ={"S2S_RT_POOL_SIZE": "many"})
+    with pytest.raises(ConfigError, match="listen_tick_ms"):
+        load_config(None, environ={"S2S_RT_LISTEN_TICK_MS": "0"})
+    for bad in ("0", "-1", "nan"):
+        with pytest.raises(ConfigError, match="max_listening_load"):
+            load_config(None, environ={"S2S_RT_MAX_LISTENING_LOAD": bad})
 
 
 def test_cli_serve_fake_stack_starts_answers_and_exits_cleanly_on_sigterm(tmp_path: Path) -> None:

@@ -91,23 +91,37 @@ def test_a_client_waiting_for_a_draining_slot_is_refused_if_listening_filled_up_
 ) -> None:
     """Admission is decided again after the wait for a draining slot, not only before it."""
     finish = Slot._finish_drain
+    drained = asyncio.Event()
+    claiming = asyncio.Event()
 
-    def slow_drain(self: Slot) -> None:  # the slot stays draining 300 ms (a slow teardown)
-        asyncio.get_running_loop().call_later(0.3, finish, self)
+    def held_drain(self: Slot) -> None:  # the slot stays draining until the test lets it go
+        async def later() -> None:
+            await drained.wait()
+            finish(self)
 
-    monkeypatch.setattr(Slot, "_finish_drain", slow_drain)
+        asyncio.get_running_loop().create_task(later())
+
+    claim = Server._claim
+
+    async def watched_claim(self: Server) -> Slot | None:
+        claiming.set()  # the claim then runs to its wait for the draining slot before anything else
+        return await claim(self)
+
+    monkeypatch.setattr(Slot, "_finish_drain", held_drain)
+    monkeypatch.setattr(Server, "_claim", watched_claim)
 
     async def scenario() -> None:
-        async with live_server(pool_size=1) as server:
+        async with live_server(pool_size=2) as server, RealtimeClient.connect(server) as staying:
             assert server.clock is not None and server.pool is not None
+            await staying.until("session.created")
             async with RealtimeClient.connect(server) as a:
                 await a.until("session.created")
-            await eventually(lambda: _draining(server), 1.0)
-            # The next client waits for the draining slot; meanwhile listening is predicted full.
-            url = f"ws://127.0.0.1:{server.port}/v1/realtime"
-            waiting = asyncio.ensure_future(connect(url))
-            await asyncio.sleep(0.1)
-            server.clock.max_load = 0.0
+            claiming.clear()
+            waiting = asyncio.ensure_future(connect(f"ws://127.0.0.1:{server.port}/v1/realtime"))
+            await claiming.wait()
+            assert server.pool.draining() == 1
+            server.clock.max_load = 0.0  # meanwhile, listening is predicted full
+            drained.set()
             async with await waiting as b:
                 refused = json.loads(await b.recv())
                 assert refused["error"]["code"] == "session_limit_reached", refused
@@ -116,8 +130,3 @@ def test_a_client_waiting_for_a_draining_slot_is_refused_if_listening_filled_up_
                 assert b.close_code == 1013
 
     run(scenario())
-
-
-async def _draining(server: Server) -> bool:
-    assert server.pool is not None
-    return server.pool.states()["draining"] == 1

@@ -320,14 +320,22 @@ class ListeningCost:
         self._at: float | None = None
 
     def add(self, busy_s: float, heard_s: float, now: float) -> None:
-        """One tick: ``busy_s`` spent hearing ``heard_s`` of audio (all sessions together)."""
+        """One tick: ``busy_s`` spent hearing ``heard_s`` of audio (all sessions together).
+
+        A tick that heard nothing (commands only) is not counted: its time
+        is the fixed part's, and less than it must not lower the cost.
+        """
+        if heard_s <= 0:
+            return
         self._decay(now)
-        self._busy += busy_s - self.overhead_s
+        self._busy += max(0.0, busy_s - self.overhead_s)
         self._heard += heard_s
 
     def _decay(self, now: float) -> None:
+        if self._at is not None and now <= self._at:
+            return  # a reading taken meanwhile was later: time does not run back
         if self._at is not None:
-            keep = math.exp(-max(0.0, now - self._at) / self.window_s)
+            keep = math.exp(-(now - self._at) / self.window_s)
             self._busy *= keep
             self._heard *= keep
         self._at = now
@@ -398,9 +406,11 @@ class ListeningClock:
 
         The prediction counts every admitted session as streaming, those
         not yet sending too, so that a flood of connections is refused
-        before its audio arrives, not after the admitted fall behind.
+        before its audio arrives, not after the admitted fall behind. The
+        first session is always admitted: with none, nothing would ever be
+        measured again, and a bad start would refuse everyone for good.
         """
-        return not self.overloaded and self.load(sessions + 1) <= self.max_load
+        return sessions == 0 or (not self.overloaded and self.load(sessions + 1) <= self.max_load)
 
     async def calibrate(self, sessions: int = 64, windows: int = 4) -> ListeningCost:
         """Measure what hearing costs before any session has been heard.
@@ -416,13 +426,16 @@ class ListeningClock:
         ticks = -(-windows * self.vad.chunk_samples * fmt.rate // PIPELINE_RATE // per_tick)
         data = bytes(per_tick * fmt.bytes_per_sample)
         scope = Scope("calibration")
-        took = {}
-        for n in (1, sessions, 1, sessions):  # the first two warm up (first engine calls are slow)
+        took = {1: math.inf, sessions: math.inf}
+        # Each size three times, the least kept: the first passes warm up (first engine calls are slow), and a
+        # stall of the machine during one pass must not set the figure.
+        for n in (1, sessions) * 3:
             states = [ListeningState(self.vad.new_state(), None, fmt) for _ in range(n)]
-            took[n] = 0.0
+            spent = 0.0
             for _ in range(ticks):
                 batch = [(ls, [AudioBytes(scope, data, fmt)], True) for ls in states]
-                took[n] += (await self.pool.call(_timed, hear, self.vad, batch))[1] / ticks
+                spent += (await self.pool.call(_timed, hear, self.vad, batch))[1]
+            took[n] = min(took[n], spent / ticks)
         per_session = max(0.0, took[sessions] - took[1]) / (sessions - 1)
         self.cost = ListeningCost(
             prior=CONTENTION * per_session / self.tick_s,
