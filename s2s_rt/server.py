@@ -249,10 +249,10 @@ class Server:
             cost = await clock.calibrate()
             log.info(
                 "hearing costs %.0f µs per tick and %.2f ms per second of a session's audio (measured at start;"
-                " remeasured as sessions stream): about %d listening sessions under a load of %g",
+                " remeasured as sessions stream): about %.0f listening sessions under a load of %g",
                 cost.overhead_s * 1e6,
                 cost.prior * 1000,
-                (cfg.max_listening_load - cost.overhead_s / clock.tick_s) / cost.prior if cost.prior else cfg.pool_size,
+                min(clock.capacity(), cfg.pool_size),
                 cfg.max_listening_load,
             )
             async with asyncio.TaskGroup() as tg:

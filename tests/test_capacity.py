@@ -17,13 +17,18 @@ import time
 
 import numpy as np
 import pytest
-from conftest import RealtimeClient, http_get, live_server, run, silence, tone
+from conftest import RealtimeClient, eventually, http_get, live_server, run, silence, tone
 from websockets.asyncio.client import connect
 
+from s2s_rt import Server
 from s2s_rt.audio import AudioFormat
 from s2s_rt.engines.fake import EnergyVAD
 from s2s_rt.inference import call_lowered
 from s2s_rt.pipeline.listening import ListeningCost
+
+
+async def _readiness_is(server: Server, status: int) -> bool:
+    return (await http_get(server, "/readyz"))[0] == status
 
 
 def test_when_listening_falls_behind_new_sessions_are_refused_and_admitted_ones_go_on(
@@ -45,15 +50,7 @@ def test_when_listening_falls_behind_new_sessions_are_refused_and_admitted_ones_
                 await admitted.until("session.created")
                 slow.set()
                 talk = asyncio.create_task(admitted.append_audio(tone(400, 1.0) + silence(0.8), pace_s=0.02))
-
-                async def full() -> bool:
-                    return (await http_get(server, "/readyz"))[0] == 503
-
-                for _ in range(100):
-                    if await full():
-                        break
-                    await asyncio.sleep(0.02)
-                assert await full(), "readiness drops while listening is behind"
+                assert await eventually(lambda: _readiness_is(server, 503), 2.0), "readiness drops while behind"
                 async with RealtimeClient.connect(server) as late:
                     refused = await late.recv()
                     assert refused["error"]["code"] == "session_limit_reached"
@@ -64,10 +61,7 @@ def test_when_listening_falls_behind_new_sessions_are_refused_and_admitted_ones_
                 await admitted.until("input_audio_buffer.speech_stopped", timeout=15)
                 done = await admitted.until("response.done", timeout=15)
                 assert done["response"]["status"] == "completed"
-            for _ in range(100):
-                if (await http_get(server, "/readyz"))[0] == 200:
-                    break
-                await asyncio.sleep(0.05)
+            assert await eventually(lambda: _readiness_is(server, 200), 5.0)
             async with RealtimeClient.connect(server) as again:
                 assert (await again.recv())["type"] == "session.created"
 
@@ -195,10 +189,7 @@ def test_the_first_session_is_admitted_whatever_the_prediction_and_the_next_one_
                     refused = await second.recv()
                     assert refused["error"]["code"] == "session_limit_reached"
                     assert "capacity" in refused["error"]["message"]
-            for _ in range(100):
-                if (await http_get(server, "/readyz"))[0] == 200:
-                    break
-                await asyncio.sleep(0.02)
+            assert await eventually(lambda: _readiness_is(server, 200), 2.0)
             async with RealtimeClient.connect(server) as again:
                 assert (await again.recv())["type"] == "session.created"
 

@@ -401,6 +401,12 @@ class ListeningClock:
         """
         return self.cost.overhead_s / self.tick_s + sessions * self.cost.value_at(time.monotonic())
 
+    def capacity(self) -> float:
+        """How many sessions streaming in real time keep :meth:`load` at ``max_load``, at the cost known now."""
+        cost = self.cost.value_at(time.monotonic())
+        room = self.max_load - self.cost.overhead_s / self.tick_s
+        return room / cost if cost > 0 else math.inf
+
     def admits(self, sessions: int) -> bool:
         """Whether one more session may join ``sessions``: listening is not behind, nor predicted to be.
 
@@ -410,7 +416,7 @@ class ListeningClock:
         first session is always admitted: with none, nothing would ever be
         measured again, and a bad start would refuse everyone for good.
         """
-        return sessions == 0 or (not self.overloaded and self.load(sessions + 1) <= self.max_load)
+        return sessions == 0 or (not self.overloaded and sessions + 1 <= self.capacity())
 
     async def calibrate(self, sessions: int = 64, windows: int = 4) -> ListeningCost:
         """Measure what hearing costs before any session has been heard.
