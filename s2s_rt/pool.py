@@ -6,6 +6,8 @@ import time
 from collections import Counter
 from typing import Any
 
+from websockets.protocol import State
+
 from s2s_rt.slot import Slot, SlotState
 
 
@@ -41,6 +43,15 @@ class Pool:
 
     def draining(self) -> int:
         return sum(1 for s in self.slots if s.state is SlotState.DRAINING)
+
+    def freeing(self) -> int:
+        """Slots about to be free: draining, or serving a session whose socket is already closing."""
+        return sum(
+            1
+            for s in self.slots
+            if s.state is SlotState.DRAINING
+            or (s.state is SlotState.ACTIVE and s.ctx is not None and s.ctx.ws.state is not State.OPEN)
+        )
 
     def active(self) -> int:
         """Slots serving a session (not those draining one that ended)."""

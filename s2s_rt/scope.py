@@ -11,11 +11,23 @@ Closing a scope runs its ``on_close`` callbacks once (the pipeline uses them
 to cancel the tasks doing the scope's work). Reading :attr:`Scope.stale` is a
 couple of attribute reads, safe from executor threads under the GIL, so
 engines can stop between pieces.
+
+A scope is also the owner of the tasks doing its work: :meth:`Scope.spawn`
+starts one only while the scope is open, cancels it when the scope closes,
+and hands an exception it raises to the outermost scope's ``on_failure``
+(the slot ends that session alone). No one starts work for a session in
+another object's task group from outside it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import asyncio
+import logging
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class Scope:
@@ -26,7 +38,7 @@ class Scope:
         parent: the enclosing scope; closing it makes this one stale too.
     """
 
-    __slots__ = ("_callbacks", "closed", "name", "parent", "reason")
+    __slots__ = ("_callbacks", "_tasks", "closed", "name", "on_failure", "parent", "reason")
 
     def __init__(self, name: str, parent: Scope | None = None) -> None:
         self.name = name
@@ -34,6 +46,9 @@ class Scope:
         self.closed = False
         self.reason: str | None = None
         self._callbacks: list[Callable[[], object]] = []
+        self._tasks: set[asyncio.Task[Any]] = set()
+        #: Told when a task of this scope (or of one inside it) raises; set on a session's scope.
+        self.on_failure: Callable[[BaseException], object] | None = None
         if parent is not None:
             parent.on_close(self._parent_closed)
 
@@ -81,6 +96,45 @@ class Scope:
         """
         if self.parent is not None and not self.closed:
             self.parent.forget(self._parent_closed)
+
+    def spawn(self, coro: Coroutine[Any, Any, T], name: str) -> asyncio.Task[T] | None:
+        """Run ``coro`` as a task this scope owns; None (and ``coro`` closed) once the scope is stale.
+
+        The task is cancelled when the scope closes. If it raises, the
+        exception goes to the outermost scope's ``on_failure`` (logged when
+        there is none): a failure in one session's work ends that session,
+        never the loop or the task group that happened to be running.
+        """
+        if self.stale:
+            coro.close()
+            return None
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        self.on_close(task.cancel)
+        task.add_done_callback(self._task_done)
+        return task
+
+    @property
+    def tasks(self) -> int:
+        """Tasks spawned in this scope that have not ended yet."""
+        return len(self._tasks)
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        self.forget(task.cancel)
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:
+            self.fail(exc)
+
+    def fail(self, exc: BaseException) -> None:
+        """Report a failure of this scope's work to the outermost scope's ``on_failure``."""
+        handler = self.outermost.on_failure
+        if handler is None:
+            log.error("%s: work failed", self.name, exc_info=exc)
+        else:
+            handler(exc)
 
     def _parent_closed(self) -> None:
         self.close(f"{self.parent.name if self.parent else 'parent'} closed")

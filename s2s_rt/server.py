@@ -18,7 +18,9 @@ import hmac
 import ipaddress
 import json
 import logging
+import os
 import signal
+import threading
 import time
 import urllib.parse
 from collections.abc import Sequence
@@ -44,6 +46,7 @@ from s2s_rt.protocol.errors import ProtocolError
 from s2s_rt.protocol.server_events import BETA, GA, encode_event
 from s2s_rt.protocol.session import Session
 from s2s_rt.slot import Slot
+from s2s_rt.supervise import supervise
 from s2s_rt.turn import SemanticTurnEnd
 
 log = logging.getLogger("s2s_rt.server")
@@ -144,6 +147,7 @@ class Server:
         self._started = asyncio.Event()
         self._stop = asyncio.Event()
         self._changed = asyncio.Event()
+        self._deadline: threading.Timer | None = None
 
     # --- lifecycle ---------------------------------------------------------
 
@@ -178,9 +182,14 @@ class Server:
             await self._runner  # re-raises what went wrong
 
     async def run(self) -> None:
-        """Serve until SIGINT/SIGTERM or :meth:`close`, then shut down gracefully."""
+        """Serve until SIGINT/SIGTERM or :meth:`close`, then shut down gracefully.
+
+        A signal ends the process within the grace period (and a second):
+        if the graceful shutdown has not finished by then, whatever state
+        any task or engine call is in, the process exits at once (status 1).
+        """
         loop = asyncio.get_running_loop()
-        handlers = {signal.SIGINT: self._stop.set, signal.SIGTERM: self._stop.set, signal.SIGUSR1: self.drain}
+        handlers = {signal.SIGINT: self._signalled, signal.SIGTERM: self._signalled, signal.SIGUSR1: self.drain}
         for sig, handler in handlers.items():
             try:
                 loop.add_signal_handler(sig, handler)
@@ -188,7 +197,19 @@ class Server:
                 pass
         await self.start()
         assert self._runner is not None
-        await self._runner
+        try:
+            await self._runner
+        finally:
+            if self._deadline is not None:
+                self._deadline.cancel()
+
+    def _signalled(self) -> None:
+        self._stop.set()
+        if self._deadline is None:
+            # A thread, not the loop: it fires even if the loop or a task group is wedged.
+            self._deadline = threading.Timer(self.config.grace_period_s + SHUTDOWN_MARGIN_S, _exit_now)
+            self._deadline.daemon = True
+            self._deadline.start()
 
     async def close(self) -> None:
         """Stop accepting, let running turns finish (grace period), close the rest with 1001."""
@@ -256,9 +277,16 @@ class Server:
                 cfg.max_listening_load,
             )
             async with asyncio.TaskGroup() as tg:
-                tasks += [tg.create_task(s.run(), name=f"slot{s.index}") for s in slots]
-                tasks.append(tg.create_task(clock.run(), name="listening-clock"))
-                tasks.append(tg.create_task(self._watch_loop_lag(), name="loop-lag"))
+                # Every process-wide task is supervised: a crash is logged and restarted, never left to end
+                # the group (and with it every session); one that keeps crashing stops the server.
+                tasks += [
+                    tg.create_task(supervise(f"slot {s.index}", s.run, self.metrics), name=f"slot{s.index}")
+                    for s in slots
+                ]
+                tasks.append(
+                    tg.create_task(supervise("listening clock", clock.run, self.metrics), name="listening-clock")
+                )
+                tasks.append(tg.create_task(supervise("loop-lag", self._watch_loop_lag, self.metrics), name="loop-lag"))
                 async with serve(
                     self._handle,
                     cfg.host,
@@ -444,7 +472,8 @@ class Server:
             if not self._admits():
                 return None
             slot = self.pool.claim()
-            if slot is not None or not self.pool.draining() or self.closing or self.draining:
+            # A slot whose client has closed (the server has not ended its session yet) is about to drain.
+            if slot is not None or not self.pool.freeing() or self.closing or self.draining:
                 return slot
             self._changed.clear()
             try:
@@ -729,6 +758,17 @@ class Server:
 
     def _overdue_calls(self) -> int:
         return sum(p.overdue for p in self.pools.values())
+
+
+#: A signalled shutdown that has not ended this long after the grace period ends the process at once.
+SHUTDOWN_MARGIN_S = 0.75
+
+
+def _exit_now() -> None:
+    log.error("shutdown did not finish within the grace period; exiting now")
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    os._exit(1)
 
 
 def _unauthorized() -> Response:

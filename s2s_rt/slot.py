@@ -34,8 +34,10 @@ import asyncio
 import enum
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
+
+from websockets.exceptions import ConnectionClosed
 
 from s2s_rt.budget import ByteBudget
 from s2s_rt.engines.base import Stack
@@ -51,7 +53,9 @@ from s2s_rt.pipeline.speaking import Speaker
 from s2s_rt.pipeline.transcribing import Transcriber
 from s2s_rt.pipeline.work import CloseRequest, SessionEnd, ms_to_samples
 from s2s_rt.protocol.errors import ProtocolError
+from s2s_rt.protocol.server_events import ServerEvent, encode_event
 from s2s_rt.protocol.session import Session
+from s2s_rt.scope import Scope
 from s2s_rt.turn import SemanticTurnEnd
 
 if TYPE_CHECKING:
@@ -142,8 +146,8 @@ class Slot:
         self.listener = Listener(self, ms_to_samples(max_input_buffer_s * 1000), speculate_after_ms, semantic)
         self.responder = Responder(self)
         self._stages: tuple[Transcriber, Responder, Speaker] = (Transcriber(self), self.responder, Speaker(self))
-        #: The task group the stages run in now (speculative work runs in it too).
-        self.tg: asyncio.TaskGroup
+        #: Owns the slot's own short tasks (closing a failed session's socket); never closed.
+        self.scope = Scope(f"slot {index}")
         self._drained = asyncio.Event()
         self._crashes: list[float] = []
         self._crash_hold = False
@@ -176,6 +180,8 @@ class Slot:
         """Bind a claimed slot to a new session and greet the client."""
         assert self.state is SlotState.ACTIVE and self.ctx is None
         self.ctx = SessionContext(ws, session, self.stack.vad.new_state(), client, self.listener.semantic)
+        # A task of this session that raises ends this session, and only it.
+        session.scope.on_failure = lambda exc: self.fail(exc, "a task of the session", session.scope)
         self.outbox.ws, self.outbox.session, self.outbox.client = ws, session, client
         self.sessions_served += 1
         self._drained.clear()
@@ -201,7 +207,39 @@ class Slot:
         try:
             self.outbox.queue.put_nowait(CloseRequest(ctx.session.scope, close_code, reason))
         except asyncio.QueueFull:
-            self.tg.create_task(close_quickly(ctx.ws, close_code, reason))
+            self.scope.spawn(close_quickly(ctx.ws, close_code, reason), f"slot{self.index}-close")
+
+    def fail(self, exc: BaseException, where: str, scope: Scope | None = None) -> None:
+        """The session's share of some work failed: end that session alone (error, close 1011, slot back).
+
+        Its scope closes at once, so nothing more is heard, started or sent
+        for it; the failed response (if any) ends with ``response.done``
+        (``failed``), then an ``error`` and the close go straight to the
+        socket. Other sessions, the stages and the listening clock go on.
+
+        Args:
+            exc: what went wrong (logged with its traceback).
+            where: which work failed, for the log.
+            scope: the failed work's scope; nothing happens unless it belongs to the session served now.
+        """
+        ctx = self.ctx
+        if ctx is None or ctx.session.scope.stale:
+            return
+        session = ctx.session
+        if scope is not None and scope.outermost is not session.scope:
+            return
+        log.error("slot %d: session %s failed in %s; ending it alone", self.index, session.id, where, exc_info=exc)
+        self.metrics.errors.inc(code="session_failed")
+        message = f"This session failed inside the server ({where}: {type(exc).__name__}); closing it"
+        events: list[ServerEvent] = []
+        if session.response is not None:
+            events += session.fail_response(session.response, "session_failed", message)
+        events.append(session.error(ProtocolError("session_failed", message, type="server_error")))
+        data = [encode_event(e) for e in events]
+        ctx.listening.closing = True
+        session.end()
+        self._notify()
+        self.scope.spawn(_say_and_close(ctx.ws, data, 1011, "internal error"), f"slot{self.index}-failed")
 
     async def end_with_error(self, exc: ProtocolError, close_code: int) -> None:
         """Send ``exc`` as an error event, then close the socket with ``close_code``."""
@@ -289,7 +327,6 @@ class Slot:
         while True:
             try:
                 async with asyncio.TaskGroup() as tg:
-                    self.tg = tg
                     transcriber, responder, speaker = self._stages
                     tg.create_task(transcriber.run(), name=f"slot{self.index}-stt")
                     tg.create_task(responder.run(), name=f"slot{self.index}-llm")
@@ -298,20 +335,43 @@ class Slot:
             except* Exception as group:
                 log.exception("slot %d: a stage crashed; restarting its stages", self.index, exc_info=group)
                 self.metrics.stage_restarts.inc()
-                await self._recover()
+                await self._recover(group)
 
-    async def _recover(self) -> None:
+    async def serve(self, queue: asyncio.Queue[Any], handle: Callable[[Any], Awaitable[None]], stage: str) -> None:
+        """A stage's loop: one item at a time; an item that raises ends its own session, not the stage."""
+        while True:
+            # One call per item: nothing of a session stays referenced while the stage waits.
+            item = await queue.get()
+            try:
+                await handle(item)
+            except Exception as exc:
+                self.fail(exc, f"the {stage} stage", getattr(item, "scope", None))
+            del item
+
+    async def _recover(self, group: BaseException) -> None:
         now = time.monotonic()
         self._crashes = [t for t in self._crashes if now - t < 60] + [now]
         if len(self._crashes) >= CRASH_LIMIT:
             self._crash_hold = True
         ctx = self.ctx
         if ctx is not None and self.state is SlotState.ACTIVE:
-            # The crashed stage may have held this session's work: end it cleanly.
-            await close_quickly(ctx.ws, 1011, "internal error in the pipeline")
+            # The crashed stage may have held this session's work: end it cleanly, and at once
+            # (its scope closes now, so the listening clock starts nothing more for it).
+            self.fail(group, "the pipeline")
         elif ctx is not None:
             # Draining: the crash may have swallowed the sentinel; send it again.
             self._flush()
             self.stt_q.put_nowait(SessionEnd(ctx.session.id))
         elif self._crash_hold and self.state is SlotState.IDLE:
             self._hold_after_crashes()
+
+
+async def _say_and_close(ws: ServerConnection, data: list[bytes], code: int, reason: str) -> None:
+    """Send a failed session's last events and close its socket (within a second or two, whatever the client does)."""
+    try:
+        async with asyncio.timeout(1.0):
+            for frame in data:
+                await ws.send(frame, text=True)
+    except (TimeoutError, ConnectionClosed):
+        pass
+    await close_quickly(ws, code, reason)

@@ -3,7 +3,8 @@
 Nothing here is a model. Each engine does something a test can check
 exactly:
 
-- :class:`EnergyVAD` calls a chunk speech when its RMS level is at least 0.01.
+- :class:`EnergyVAD` calls a chunk speech when its RMS level is at least 0.01;
+  a chunk held at a steady -0.5 (:data:`POISON_LEVEL`) makes it raise.
 - :class:`ChecksumSTT` "transcribes" audio as its duration and a CRC-32 of
   its 16-bit samples: ``heard 1230 ms crc 1a2b3c4d``; it fails when the
   session's transcription prompt contains ``[[fail]]``.
@@ -13,7 +14,9 @@ exactly:
   per token without checking for cancellation, ``[[fail]]`` raises mid-stream.
   Offered tools, it calls the one whose name the user says (see
   :func:`fake_tool_call`), and answers ``You said: the result is …`` once a
-  function's result comes back.
+  function's result comes back. The call comes in one piece, or, with
+  ``stream_tool_calls``, token by token as a real model streams it
+  (:func:`tool_call_tokens`: ``<``, ``tool_call``, ``>``, a newline, ``{``, ``"``, …).
 - :class:`ToneTTS` speaks each word as a 100 ms tone whose pitch depends on
   the word, then 20 ms of silence, at 22.05 kHz (so resampling is exercised);
   it fails on the word ``[[tts-fail]]``.
@@ -41,6 +44,12 @@ from s2s_rt.engines.base import (
 )
 
 _CONTROL = re.compile(r"\[\[(slow|block|fail)(?:\s+(\d+))?\]\]")
+#: What :func:`tool_call_tokens` cuts a call into: words, runs of spaces, and each other character alone.
+_TOKEN = re.compile(r"\w+|[^\S\n]+|\n|[^\w\s]")
+
+
+#: :class:`EnergyVAD` fails on a window whose samples all hold this level (fault tests).
+POISON_LEVEL = -0.5
 
 
 class EnergyVAD:
@@ -50,6 +59,10 @@ class EnergyVAD:
         return None
 
     def speech_probabilities(self, chunks: Float32Array, states: Sequence[Any]) -> Float32Array:
+        # A window of steady -0.5 (see POISON_LEVEL) makes the call fail: one session's audio breaks the batch.
+        steady = np.ptp(chunks, axis=1) < 1e-3
+        if steady.any() and np.any(np.abs(chunks[steady, 0] - POISON_LEVEL) < 1e-2):
+            raise RuntimeError("fake VAD failure requested by the audio (a steady level of -0.5)")
         rms = np.sqrt(np.mean(np.square(chunks, dtype=np.float32), axis=1))
         speech: Float32Array = (rms >= 0.01).astype(np.float32)
         return speech
@@ -85,10 +98,13 @@ class EchoLLM:
 
     Args:
         token_delay_ms: time per token (default pace of the fake model).
+        stream_tool_calls: stream a tool call token by token (:func:`tool_call_tokens`), as a real
+            model does, instead of in one piece.
     """
 
-    def __init__(self, token_delay_ms: int = 0) -> None:
+    def __init__(self, token_delay_ms: int = 0, *, stream_tool_calls: bool = False) -> None:
         self.token_delay_ms = token_delay_ms
+        self.stream_tool_calls = stream_tool_calls
 
     def turn_end_probability(self, messages: Sequence[ChatMessage]) -> float:
         """The fake model finds every utterance finished (``semantic_vad`` ends turns after its shortest wait)."""
@@ -107,14 +123,6 @@ class EchoLLM:
     ) -> Iterator[str]:
         user = next((m.content for m in reversed(messages) if m.role == "user"), "")
         usage.input_tokens = sum(len(m.content.split()) for m in messages)
-        if tools:
-            call = fake_tool_call(messages, user, tools, require_tool)
-            if call is not None:
-                usage.output_tokens = len(call.split())
-                yield call
-                return
-        if messages and messages[-1].role == "tool":
-            user = f"the result is {messages[-1].content}"
         delay_s, block_s, fail = self.token_delay_ms / 1000, 0.0, False
         for kind, arg in _CONTROL.findall(user):
             if kind == "slow":
@@ -123,6 +131,23 @@ class EchoLLM:
                 block_s = int(arg or 0) / 1000
             else:
                 fail = True
+        if tools:
+            call = fake_tool_call(messages, user, tools, require_tool)
+            if call is not None:
+                if not self.stream_tool_calls:
+                    usage.output_tokens = len(call.split())
+                    yield call
+                    return
+                for token in tool_call_tokens(call):
+                    if should_stop():
+                        return
+                    if delay_s:
+                        time.sleep(delay_s)
+                    usage.output_tokens += 1
+                    yield token
+                return
+        if messages and messages[-1].role == "tool":
+            user = f"the result is {messages[-1].content}"
         words = f"You said: {_CONTROL.sub('', user).strip()}.".split()
         for i, word in enumerate(words[:max_tokens]):
             if block_s:
@@ -174,6 +199,17 @@ def fake_tool_call(
     return "<tool_call>\n" + json.dumps({"name": name, "arguments": args}) + "\n</tool_call>"
 
 
+def tool_call_tokens(call: str) -> list[str]:
+    """``call`` cut as a tokenizer might: each word, run of spaces and other character a token of its own.
+
+    The tag ``<tool_call>`` arrives as ``<``, ``tool_call``, ``>``, so a
+    reader must hold back a ``<`` that may begin one.
+    """
+    tokens = _TOKEN.findall(call)
+    assert "".join(tokens) == call, "every character of the call is in a token"
+    return tokens
+
+
 class ToneTTS:
     sample_rate = 22_050
     voices: Sequence[str] = ("tone", "tone-low")
@@ -205,12 +241,15 @@ def word_tone(word: str, rate: int, scale: float = 1.0, speed: float = 1.0) -> F
     return np.concatenate([tone, np.zeros(int(rate * 0.02))]).astype(np.float32)
 
 
-def load_fake_stack(*, stt_delay_ms: int = 0, llm_token_delay_ms: int = 0, tts_delay_ms: int = 0) -> Stack:
+def load_fake_stack(
+    *, stt_delay_ms: int = 0, llm_token_delay_ms: int = 0, tts_delay_ms: int = 0, stream_tool_calls: bool = False
+) -> Stack:
+    """The fake engines; ``stream_tool_calls`` makes :class:`EchoLLM` stream its tool calls token by token."""
     return Stack(
         name="fake",
         vad=EnergyVAD(),
         stt=ChecksumSTT(stt_delay_ms),
-        llm=EchoLLM(llm_token_delay_ms),
+        llm=EchoLLM(llm_token_delay_ms, stream_tool_calls=stream_tool_calls),
         tts=ToneTTS(tts_delay_ms),
         description=["fake stack: energy VAD, checksum STT, echo LLM, tone TTS (for tests)"],
     )

@@ -18,6 +18,7 @@ import abc
 import atexit
 import functools
 import json
+import logging
 import re
 import threading
 import weakref
@@ -45,6 +46,25 @@ DEFAULT_CONTEXT_TOKENS = 4096
 _REPLACEMENT_CHAR = "\ufffd"
 #: A user turn after a system prompt, to find where the system prompt's tokens end.
 _ANY_USER = ChatMessage("user", "Hello")
+
+#: A kept model state is used only when it, and what is read after it, are at least this many tokens.
+#: CTranslate2's int8 matrix products on the CPU compute a block of one to three rows differently from a
+#: taller one: on an AVX-512 VNNI Xeon a kept prefix of 2-3 tokens, or 1-2 tokens read after one, moved
+#: the next token's logits by 0.7-3, where longer pieces matched a whole reading exactly.
+MIN_KEPT_TOKENS = 8
+#: How far a kept state's next-token logits may be from a whole reading's, as a fraction of the largest
+#: logit: float rounding only. Measured on the CPU: 2e-7 of it (int8 with VNNI, or float32); int8 on AVX2
+#: without VNNI, 3-10 %. On a GPU, 16-bit rounding may exceed it; the cache is then off, which costs
+#: little there, where reading a prompt is fast.
+KEPT_STATE_TOLERANCE = 1e-3
+#: The start-up check's prompt: about 40 tokens, long enough for three splits with
+#: :data:`MIN_KEPT_TOKENS` on either side, short enough to cost about 0.2 s on two cores.
+_PROBE = (
+    ChatMessage("system", "You are a helpful voice assistant. Answer in one short, friendly sentence."),
+    ChatMessage("user", "How many legs does a spider have, and why?"),
+)
+
+log = logging.getLogger(__name__)
 
 
 # --- tokenizers ----------------------------------------------------------------
@@ -533,6 +553,72 @@ class _TextStream:
         return after[len(before) :]
 
 
+# --- the kept state's start-up check ------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class KeptStateCheck:
+    """Whether a prompt read after a kept model state is read as the whole prompt read at once.
+
+    CTranslate2 computes a token's state in one matrix product with the
+    other tokens read in the same pass. Where its int8 kernels give a row a
+    result that depends on how many rows are multiplied with it (int8 on
+    AVX2 without VNNI: oneDNN, CTranslate2's choice on AMD CPUs, and Intel
+    MKL limited to AVX2 both do), a prompt read in two parts, as from a kept
+    state, gets other logits than the same prompt read whole, and greedy
+    answers differ: the cache would change what a user hears.
+    """
+
+    #: Every probe matched within float rounding: the kept state may be used.
+    trusted: bool
+    #: The largest difference of a next-token logit between the two readings.
+    max_difference: float
+    #: The largest difference allowed (float rounding).
+    tolerance: float
+    #: Tokens of the probe kept before the rest was read, one probe each.
+    splits: tuple[int, ...]
+
+    def describe(self) -> str:
+        """One line for the start-up log."""
+        if self.trusted:
+            return f"kept model state checked (next-token logits {self.max_difference:.1g} from a whole reading's)"
+        return (
+            f"kept model state off: a prompt read after a kept state got next-token logits "
+            f"{self.max_difference:.2f} away from reading it whole (float rounding: at most {self.tolerance:.2g}; "
+            f"CTranslate2's int8 kernels on this CPU depend on how many tokens are read together); "
+            f"every answer reads its whole prompt"
+        )
+
+
+def check_kept_state(
+    next_logits: Callable[[Sequence[int], Sequence[int]], np.ndarray], probe: Sequence[int]
+) -> KeptStateCheck:
+    """Compare a probe prompt read after kept states of its first tokens with the probe read whole.
+
+    Args:
+        next_logits: the logits of the token that follows ``kept + rest``,
+            reading ``kept`` first as a kept state (nothing kept when empty),
+            then ``rest``.
+        probe: a prompt's token ids; at least ``2 * MIN_KEPT_TOKENS + 1``.
+
+    Returns:
+        the verdict, after up to three splits (it stops at the first that
+        differs beyond float rounding).
+    """
+    whole = np.asarray(next_logits([], probe), dtype=np.float64)
+    n = len(probe)
+    splits = tuple(sorted({min(max(MIN_KEPT_TOKENS, n * i // 4), n - MIN_KEPT_TOKENS) for i in (1, 2, 3)}))
+    tolerance = KEPT_STATE_TOLERANCE * max(1.0, float(np.abs(whole).max()))
+    difference = 0.0
+    for tried, k in enumerate(splits, 1):
+        kept = np.asarray(next_logits(probe[:k], probe[k:]), dtype=np.float64)
+        split_difference = float(np.abs(kept - whole).max())
+        if not split_difference <= tolerance:  # NaN too
+            return KeptStateCheck(False, split_difference, tolerance, splits[:tried])
+        difference = max(difference, split_difference)
+    return KeptStateCheck(True, difference, tolerance, splits)
+
+
 # --- the engine ----------------------------------------------------------------
 
 
@@ -568,6 +654,10 @@ class CT2ChatLLM:
             answers (:meth:`prime`; 0: none); past it the model is reloaded,
             which forgets them all.
         prefix_session_tokens: the longest prefix kept for one conversation.
+
+    Both kinds of kept state are checked once after loading
+    (:func:`check_kept_state`) and turned off, with a warning, where a
+    prompt read after a kept state would not be read as the whole prompt.
 
     Raises:
         ModelError: if a model file is missing, corrupt, or of an
@@ -644,6 +734,15 @@ class CT2ChatLLM:
                 f"fix: {PREPARE_COMMAND} --force"
             ) from exc
         self.threads = (inter_threads, intra_threads)
+        #: The start-up check of the kept state; None when none is kept.
+        self.kept_state: KeptStateCheck | None = None
+        if self._static.prefixes or self.prefixes.budget_tokens:
+            probe = [i for turn in self._chat.encode(_PROBE).turns for i in turn]
+            self.kept_state = check_kept_state(self._next_logits, probe)
+            if not self.kept_state.trusted:
+                log.warning("LLM %s: %s", model_dir, self.kept_state.describe())
+                self._static.prefixes = []
+                self.prefixes = ConversationPrefixes(0, prefix_session_tokens)
         # Loading read each weight through temporary buffers that glibc keeps mapped: ~340 MB for the 0.5B model.
         release_freed_memory(min_interval_s=0.0)
         _LOADED.add(self)
@@ -658,10 +757,26 @@ class CT2ChatLLM:
     def describe(self) -> str:
         """One line for the start-up log."""
         inter, intra = self.threads
+        kept = f"; {self.kept_state.describe()}" if self.kept_state is not None else ""
         return (
             f"LLM {self.model_dir} (CTranslate2 {self.compute_type} on {self.device}, "
-            f"{inter} concurrent x {intra} threads, context {self.max_context_tokens})"
+            f"{inter} concurrent x {intra} threads, context {self.max_context_tokens}){kept}"
         )
+
+    def _next_logits(self, kept: Sequence[int], rest: Sequence[int]) -> np.ndarray:
+        """The logits of the token after ``kept + rest``, read as :meth:`stream` reads a prompt after a kept state."""
+        assert self._generator is not None
+        result = self._generator.generate_batch(
+            [[self._vocabulary[i] for i in rest]],
+            static_prompt=[self._vocabulary[i] for i in kept] or None,
+            # CTranslate2 never forgets a cached state: the probe's must not stay.
+            cache_static_prompt=False,
+            max_length=1,
+            sampling_topk=1,
+            return_logits_vocab=True,
+            include_prompt_in_result=False,
+        )[0]
+        return np.asarray(result.logits[0][0], dtype=np.float64)
 
     def stream(
         self,
@@ -774,8 +889,13 @@ class CT2ChatLLM:
         """The prompt's longest prefix whose state is held (or will be: a known system prompt), the rest,
         and how many of its tokens need no reading."""
         with self._lock:
-            held = self.prefixes.find(prompt)
+            # Shorter pieces are read differently from the whole prompt (MIN_KEPT_TOKENS).
+            held = self.prefixes.find(prompt[: len(prompt) - MIN_KEPT_TOKENS + 1])
+            if len(held) < MIN_KEPT_TOKENS:
+                held = []
             known, rest = self._static.split(prompt)
+            if len(known) < MIN_KEPT_TOKENS or len(rest) < MIN_KEPT_TOKENS:
+                known, rest = [], prompt
             if len(held) > len(known):
                 return held, prompt[len(held) :], len(held)
             cached = len(known) if self.prefixes.holds(known) else 0

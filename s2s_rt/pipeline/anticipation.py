@@ -43,8 +43,9 @@ class AnswerKey:
     require_tool: bool
     temperature: float
     max_tokens: int
-    #: Not the model's, but the first clause's speech is made at it.
+    #: Not the model's, but the first clause's speech is made at this speed and in this voice.
     speed: float = 1.0
+    voice: str | None = None
 
     @classmethod
     def of(
@@ -55,9 +56,10 @@ class AnswerKey:
         temperature: float,
         max_tokens: int,
         speed: float = 1.0,
+        voice: str | None = None,
     ) -> AnswerKey:
         tools_json = json.dumps(list(tools), sort_keys=True)
-        return cls(tuple(messages), tools_json, require_tool, temperature, max_tokens, speed)
+        return cls(tuple(messages), tools_json, require_tool, temperature, max_tokens, speed, voice)
 
 
 class Anticipation:
@@ -78,7 +80,7 @@ class Anticipation:
         self._changed = asyncio.Event()
         #: The first clause, and its speech as the TTS engine made it (synthesised ahead).
         self.first_clause: str | None = None
-        self.first_audio: asyncio.Task[list[Float32Array]] | None = None
+        self.first_audio: asyncio.Task[list[Float32Array] | None] | None = None
 
     def start(
         self,
@@ -92,9 +94,8 @@ class Anticipation:
         Args:
             splitter: a fresh clause splitter, as the LLM stage would cut the answer (None: text only).
         """
-        task = slot.tg.create_task(self._run(slot, messages, splitter, voice), name=f"slot{slot.index}-ahead")
-        self.scope.on_close(task.cancel)
-        task.add_done_callback(lambda t: self.scope.forget(t.cancel))
+        if self.scope.spawn(self._run(slot, messages, splitter, voice), f"slot{slot.index}-ahead") is None:
+            self.done = True  # its session is closing: nothing to adopt
 
     async def _run(self, slot: Slot, messages: Sequence[ChatMessage], splitter: Any | None, voice: str | None) -> None:
         llm = slot.stack.llm
@@ -118,22 +119,28 @@ class Anticipation:
                     clauses = splitter.feed(piece)
                     if clauses:
                         self.first_clause = clauses[0]
-                        self.first_audio = slot.tg.create_task(self._synthesize(slot, clauses[0], voice))
-                        self.scope.on_close(self.first_audio.cancel)
+                        self.first_audio = self.scope.spawn(
+                            self._synthesize(slot, clauses[0], voice), f"slot{slot.index}-ahead-tts"
+                        )
         except Exception as exc:
             self.error = exc
         finally:
             self.done = True
             self._changed.set()
 
-    async def _synthesize(self, slot: Slot, text: str, voice: str | None) -> list[Float32Array]:
+    async def _synthesize(self, slot: Slot, text: str, voice: str | None) -> list[Float32Array] | None:
+        """The first clause's speech; None if synthesis failed (the TTS stage then tries again, and reports)."""
         pieces: list[Float32Array] = []
-        async for audio in slot.pools["tts"].stream(
-            lambda: slot.stack.tts.synthesize(
-                text, voice=voice, should_stop=lambda: self.scope.stale, speed=self.key.speed
-            )
-        ):
-            pieces.append(audio)
+        try:
+            async for audio in slot.pools["tts"].stream(
+                lambda: slot.stack.tts.synthesize(
+                    text, voice=voice, should_stop=lambda: self.scope.stale, speed=self.key.speed
+                )
+            ):
+                pieces.append(audio)
+        except Exception as exc:
+            log.warning("slot %d: speaking the first clause ahead failed: %r", slot.index, exc)
+            return None
         return pieces
 
     def adopt(self, response_scope: Scope) -> AsyncIterator[str]:
@@ -159,7 +166,7 @@ class Anticipation:
             if i == len(self.pieces) and not self.done:
                 await self._changed.wait()
 
-    def first_speech(self, clause: str) -> asyncio.Task[list[Float32Array]] | None:
+    def first_speech(self, clause: str) -> asyncio.Task[list[Float32Array] | None] | None:
         """The speech synthesised ahead for ``clause``, if it is the first clause (given once)."""
         audio, self.first_audio = self.first_audio, None
         if audio is not None and clause != self.first_clause:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import time
+import asyncio
 from typing import TYPE_CHECKING
 
 from s2s_rt.metrics import labels_key
@@ -99,6 +99,22 @@ class Dispatcher:
             raise
         return True
 
+    async def _append_when_heard(self, ctx: SessionContext, ev: ce.InputAudioBufferAppend) -> bool:
+        """Wait (this session's socket unread meanwhile) until the audio before it is heard, then take it.
+
+        An upload faster than real time is heard as fast as the listening
+        clock allows; its sender is slowed down, alone. False if the budget
+        did not free up within the clock's ``max_backlog_s``.
+        """
+        slot = self.slot
+        try:
+            async with asyncio.timeout(slot.clock.max_backlog_s):
+                await slot.input_budget.take(len(ev.audio))
+        except TimeoutError:
+            return False
+        slot.input_budget.release(len(ev.audio))
+        return self._append(ctx, ev)
+
     async def _dispatch(self, ev: ce.ClientEvent) -> None:
         slot = self.slot
         ctx = slot.ctx
@@ -108,8 +124,15 @@ class Dispatcher:
         listener = slot.listener
         match ev:
             case ce.InputAudioBufferAppend():
-                if not self._append(ctx, ev):
-                    listener.fall_behind(ctx, ctx.listening.backlog_s(time.monotonic()))
+                if not self._append(ctx, ev) and not await self._append_when_heard(ctx, ev):
+                    # Sent faster than it can be heard, past the session's budget, for longer than audio may
+                    # wait: this append is refused (the client may send it again), the session stays.
+                    raise ProtocolError(
+                        "input_audio_buffer_full",
+                        f"{slot.input_budget.used} bytes of audio are still waiting to be heard (at most"
+                        f" {slot.input_budget.limit}); this append was not taken: send it again shortly",
+                        param="audio",
+                    )
             case ce.InputAudioBufferCommit():
                 listener.command(ctx, BufferCommand(scope, "commit", ev.event_id))
             case ce.InputAudioBufferClear():

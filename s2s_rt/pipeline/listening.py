@@ -175,6 +175,14 @@ class ListeningState:
                 return now - item.received
         return 0.0
 
+    def inbox_audio_s(self) -> float:
+        """Seconds of audio waiting in the inbox."""
+        return sum(item.seconds() for item in self.inbox if isinstance(item, AudioBytes))
+
+
+class EngineUnavailable(Exception):
+    """The VAD call for a whole batch failed: not any one session's doing."""
+
 
 @dataclass(slots=True)
 class Heard:
@@ -268,20 +276,30 @@ def hear(vad: VAD, work: Sequence[tuple[ListeningState, list[AudioBytes], bool]]
             heard[i] = Heard(samples[i], probabilities[row])
         if n:
             steps.append((members, joined[:, : n * chunk].reshape(len(members), n, chunk)))
-    # 3. Score: step k holds the k-th window of every session that has one.
-    try:
-        for k in range(max((w.shape[1] for _, w in steps), default=0)):
-            now = [(members, w) for members, w in steps if w.shape[1] > k]
-            chunks = np.concatenate([w[:, k] for _, w in now])
-            rows = [i for members, _ in now for i in members]
+    # 3. Score: step k holds the k-th window of every session that has one. If a step fails, each of its
+    # sessions is scored alone: a failure that one session's audio causes is that session's alone.
+    failed: set[int] = set()
+    for k in range(max((w.shape[1] for _, w in steps), default=0)):
+        now = [(members, w) for members, w in steps if w.shape[1] > k]
+        if failed:  # sessions whose audio failed are not scored again
+            now = [(m, w[[r for r, i in enumerate(m) if i not in failed]]) for m, w in now]
+            now = [([i for i in m if i not in failed], w) for m, w in now if len(w)]
+            if not now:
+                break
+        rows = [i for members, _ in now for i in members]
+        chunks = np.concatenate([w[:, k] for _, w in now])
+        try:
             probs = vad.speech_probabilities(chunks, [work[i][0].vad_state for i in rows])
-            for i, p in zip(rows, probs.tolist(), strict=True):
-                heard[i].probabilities[k] = p  # type: ignore[union-attr]
-    except Exception as exc:
-        # The turns go on without these decisions; each session is told.
-        for h in heard:
-            assert h is not None
-            h.error = h.error or exc
+        except Exception:
+            for j, i in enumerate(rows):
+                try:
+                    heard[i].probabilities[k] = vad.speech_probabilities(chunks[j : j + 1], [work[i][0].vad_state])[0]  # type: ignore[union-attr]
+                except Exception as exc:
+                    heard[i].error = exc  # type: ignore[union-attr]
+                    failed.add(i)
+            continue
+        for i, p in zip(rows, probs.tolist(), strict=True):
+            heard[i].probabilities[k] = p  # type: ignore[union-attr]
     return heard  # type: ignore[return-value]
 
 
@@ -392,6 +410,9 @@ class ListeningClock:
         self.max_load = max_load
         #: Busy seconds per second of a session's audio (measured; :meth:`calibrate` gives the first).
         self.cost = ListeningCost(prior=0.0)
+        self._last_tick = -math.inf
+        #: When work became ready for the next tick.
+        self._woken_at: float | None = None
 
     def load(self, sessions: int) -> float:
         """The fraction of the time the clock would be busy with ``sessions`` streaming in real time.
@@ -453,6 +474,8 @@ class ListeningClock:
     def wake(self, slot: Slot) -> None:
         """``slot`` has something in its inbox."""
         self._ready.add(slot)
+        if self._woken_at is None:
+            self._woken_at = time.monotonic()
         self._wake.set()
 
     async def run(self) -> None:
@@ -474,16 +497,30 @@ class ListeningClock:
                 await asyncio.sleep(wait)
             self._wake.clear()
             last = loop.time()
-            await self.tick()
+            try:
+                await self.tick()
+            except Exception:
+                # Each session's share is guarded inside; this is the clock's own failure. It goes on.
+                log.exception("listening: a tick failed")
+                self.metrics.errors.inc(code="listening_tick_failed")
 
     async def tick(self) -> None:
-        """One batch: every ready session's leading audio, then its commands."""
+        """One batch: every ready session's leading audio, then its commands.
+
+        Each session's share is a fault boundary: whatever its audio or its
+        commands make go wrong ends that session alone (:meth:`Slot.fail
+        <s2s_rt.slot.Slot.fail>`), and the tick goes on with the others.
+        """
         started = time.perf_counter()
         ready, self._ready = self._ready, set()
         now = time.monotonic()
         heard_total_s = 0.0
         work: list[tuple[Slot, SessionContext, ListeningState, list[AudioBytes], bool]] = []
-        lag = 0.0
+        # A late tick is lateness too (the waits of uploads are not counted, and they keep every tick busy):
+        # how long ready work waited past the batching wait.
+        due = max(self._woken_at if self._woken_at is not None else now, self._last_tick + self.tick_s)
+        lag = max(0.0, now - due)
+        self._last_tick, self._woken_at = now, None
         for slot in ready:
             ctx = slot.ctx
             if ctx is None or ctx.session.scope.stale:
@@ -491,43 +528,84 @@ class ListeningClock:
             ls = ctx.listening
             if ls.closing:
                 continue
-            backlog = ls.backlog_s(now)
-            lag = max(lag, backlog)
-            if backlog > self.max_backlog_s:
-                slot.listener.fall_behind(ctx, backlog)
+            try:
+                taken = self._take(slot, ctx, ls, now)
+            except Exception as exc:
+                slot.fail(exc, "listening", ctx.session.scope)
                 continue
-            # At most listen_s_per_tick of a session's audio per batch: one session's
-            # flood cannot make the batch slow for everyone; its own backlog grows instead.
-            segments: list[AudioBytes] = []
-            heard_s = 0.0
-            while ls.inbox and isinstance(ls.inbox[0], AudioBytes) and heard_s < self.listen_s_per_tick:
-                seg = ls.inbox.popleft()
-                segments.append(seg)
-                heard_s += len(seg.data) / (seg.format.rate * seg.format.bytes_per_sample)
+            if taken is None:
+                continue
+            segments, heard_s, late_s = taken
+            lag = max(lag, late_s)
             heard_total_s += heard_s
             work.append((slot, ctx, ls, segments, ls.detector is not None))
         self._shed(lag)
         batch = [(ls, segments, score) for _, _, ls, segments, score in work if segments]
         before = time.perf_counter()
-        heard, hearing_s = await self.pool.call(_timed, hear, self.vad, batch) if batch else ([], 0.0)
+        try:
+            heard, hearing_s = await self.pool.call(_timed, hear, self.vad, batch) if batch else ([], 0.0)
+        except Exception as exc:
+            # The engine call as a whole failed (timed out, or its executor broke): no session caused it
+            # alone, so each is told and goes on; what the batch held is not heard.
+            log.error("listening: hearing a batch of %d sessions failed: %r", len(batch), exc)
+            heard = [Heard(_NOTHING, _NOTHING, EngineUnavailable(exc)) for _ in batch]
+            hearing_s = 0.0
         after = time.perf_counter()
         results = iter(heard)
         for slot, ctx, ls, segments, _ in work:
             got = next(results) if segments else None
             if slot.ctx is not ctx or ctx.session.scope.stale:
                 continue  # the session ended meanwhile
-            if segments:
-                size = sum(len(s.data) for s in segments)
-                ls.inbox_bytes -= size
-                slot.input_budget.release(size)
-            assert got is not None or not segments
-            if got is not None:
-                slot.listener.heard(ctx, got)
-            slot.listener.commands(ctx)
+            try:
+                if segments:
+                    size = sum(len(s.data) for s in segments)
+                    ls.inbox_bytes -= size
+                    slot.input_budget.release(size)
+                if got is not None:
+                    slot.listener.heard(ctx, got)
+                slot.listener.commands(ctx)
+            except Exception as exc:
+                slot.fail(exc, "listening", ctx.session.scope)
+                continue
             if ls.inbox:
                 self.wake(slot)
         # The clock's own work: not the wait for the executor (the loop's other work, handshakes among it).
         self.cost.add(before - started + hearing_s + time.perf_counter() - after, heard_total_s, now)
+
+    def _take(
+        self, slot: Slot, ctx: SessionContext, ls: ListeningState, now: float
+    ) -> tuple[list[AudioBytes], float, float] | None:
+        """A session's audio for this batch, seconds of it, and how late it is heard (None: it fell behind).
+
+        At most ``listen_s_per_tick`` of a session's audio per batch (ten
+        times that while turn detection is off: nothing is scored then),
+        and an append larger than that is cut: one session's flood or upload
+        makes no batch slow for the others; its own backlog grows instead.
+        A session with more audio waiting than one batch takes sends faster
+        than real time (an upload): it gets its full share every batch, so
+        its wait is not the clock's lateness, and it is never closed for it.
+        One streaming in real time whose audio waits past ``max_backlog_s``
+        is told and closed.
+        """
+        allowance = self.listen_s_per_tick * (1 if ls.detector is not None else 10)
+        backlog = ls.backlog_s(now)
+        if backlog > self.tick_s and ls.inbox_audio_s() > allowance:
+            backlog = 0.0  # an upload: heard as fast as the batches allow
+        if backlog > self.max_backlog_s:
+            slot.listener.fall_behind(ctx, backlog)
+            return None
+        segments: list[AudioBytes] = []
+        heard_s = 0.0
+        while ls.inbox and isinstance(ls.inbox[0], AudioBytes) and heard_s < allowance:
+            seg = ls.inbox.popleft()
+            seconds = seg.seconds()
+            if heard_s + seconds > allowance:
+                seg, rest = seg.split(allowance - heard_s)
+                ls.inbox.appendleft(rest)
+                seconds = seg.seconds()
+            segments.append(seg)
+            heard_s += seconds
+        return segments, heard_s, backlog
 
     def _shed(self, lag: float) -> None:
         self.lag_s = lag
@@ -583,6 +661,8 @@ class Listener:
         slot = self.slot
         ls = ctx.listening
         if got.error is not None:
+            if not isinstance(got.error, EngineUnavailable):
+                raise got.error  # this session's audio alone failed: the clock ends this session
             log.warning("slot %d: VAD failed: %r", slot.index, got.error)
             self._error(
                 ctx, ProtocolError("vad_failed", f"Voice activity detection failed: {got.error}", type="server_error")
@@ -789,8 +869,9 @@ class Listener:
             self._anticipate(ctx, heard, speculation, conversation)
             return heard
 
-        task, started = self._transcribe_ahead(ctx, guess, "speculation")
-        speculation = ls.speculation = Speculation(task, started)
+        begun = self._transcribe_ahead(ctx, guess, "speculation")
+        if begun is not None:
+            speculation = ls.speculation = Speculation(*begun)
 
     def _caption(self, ctx: SessionContext) -> None:
         """A transcription session: transcribe the turn so far each second of speech, and stream the new words."""
@@ -817,11 +898,13 @@ class Listener:
 
     def _transcribe_ahead(
         self, ctx: SessionContext, then: Callable[[Transcript], Awaitable[Transcript]], what: str
-    ) -> tuple[asyncio.Task[Transcript | BaseException], threading.Event]:
+    ) -> tuple[asyncio.Task[Transcript | BaseException], threading.Event] | None:
         """Transcribe the turn so far in the STT pool, then ``then`` on the loop; one such call at a time.
 
-        The task never raises (a failure is its result) and is cancelled
-        with the session; ``speculating`` is set until its engine call ends.
+        The task is the session's (its scope's :meth:`~s2s_rt.scope.Scope.spawn`):
+        cancelled with it, and never started once it is closing (None). It
+        never raises (a failure is its result); ``speculating`` is set until
+        its engine call ends.
         """
         ls = ctx.listening
         assert ls.detector is not None
@@ -853,17 +936,16 @@ class Listener:
                 return exc
             return await then(heard)
 
+        task = ctx.session.scope.spawn(run(), f"slot{self.slot.index}-{what}")
+        if task is None:
+            return None  # the session is closing
         ls.speculating = True
-        task = self.slot.tg.create_task(run(), name=f"slot{self.slot.index}-{what}")
-        scope = ctx.session.scope
 
         def finished(t: asyncio.Task[Any]) -> None:
-            scope.forget(t.cancel)
             if not started.is_set():  # dropped before its engine call began
                 ls.speculating = False
 
         task.add_done_callback(finished)
-        scope.on_close(task.cancel)
         return task, started
 
     async def _judge(
@@ -932,7 +1014,9 @@ class Listener:
         tools, must_call = offered_tools(params.tools, params.tool_choice)
         language = heard.language or ctx.language
         messages = with_answer_context([*messages, ChatMessage("user", text)], language=language, tools=bool(tools))
-        key = AnswerKey.of(messages, tools, must_call, params.temperature, params.token_limit, params.speed)
+        key = AnswerKey.of(
+            messages, tools, must_call, params.temperature, params.token_limit, params.speed, params.voice
+        )
         ahead = ls.anticipation = Anticipation(key, Scope("anticipation", parent=session.scope))
         speak = "audio" in params.modalities and not tools
         ahead.start(

@@ -41,9 +41,7 @@ class Responder:
         self._heard = False
 
     async def run(self) -> None:
-        while True:
-            # One call per item: nothing of a session stays referenced while the stage waits.
-            await self._handle(await self.slot.llm_q.get())
+        await self.slot.serve(self.slot.llm_q, self._handle, "LLM")
 
     async def _handle(self, item: Any) -> None:
         slot = self.slot
@@ -69,7 +67,9 @@ class Responder:
         usage = LLMUsage()
         ahead = req.anticipation
         if ahead is not None:
-            asked = AnswerKey.of(messages, tools, must_call, r.params.temperature, r.token_limit, r.params.speed)
+            asked = AnswerKey.of(
+                messages, tools, must_call, r.params.temperature, r.token_limit, r.params.speed, r.params.voice
+            )
             if ahead.key == asked and not ahead.scope.stale:
                 slot.metrics.speculative_responses.inc(outcome="used")
                 usage = ahead.usage
@@ -179,10 +179,7 @@ class Responder:
         slot = self.slot
         if getattr(slot.stack.llm, "prime", None) is None:
             return
-        scope = ctx.session.scope
-        task = slot.tg.create_task(self._prime(ctx), name=f"slot{slot.index}-prime")
-        scope.on_close(task.cancel)
-        task.add_done_callback(lambda t: scope.forget(t.cancel))
+        ctx.session.scope.spawn(self._prime(ctx), f"slot{slot.index}-prime")
 
     async def _prime(self, ctx: SessionContext) -> None:
         slot = self.slot

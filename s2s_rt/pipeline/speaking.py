@@ -34,9 +34,7 @@ class Speaker:
         self._resampling_for: str | None = None
 
     async def run(self) -> None:
-        while True:
-            # One call per item: nothing of a session stays referenced while the stage waits.
-            await self._handle(await self.slot.tts_q.get())
+        await self.slot.serve(self.slot.tts_q, self._handle, "TTS")
 
     async def _handle(self, item: Any) -> None:
         slot = self.slot

@@ -23,9 +23,7 @@ class Transcriber:
         self.slot = slot
 
     async def run(self) -> None:
-        while True:
-            # One call per item: nothing of a session stays referenced while the stage waits.
-            await self._handle(await self.slot.stt_q.get())
+        await self.slot.serve(self.slot.stt_q, self._handle, "STT")
 
     async def _handle(self, item: Any) -> None:
         slot = self.slot
@@ -75,7 +73,8 @@ class Transcriber:
             log.info("slot %d: the user speaks %s (%s)", slot.index, result.language, how)
             ctx.language = result.language
         await slot.outbox.emit(session.transcribed(job.item_id, text, len(job.audio) / PIPELINE_RATE), session.scope)
-        if job.respond and session.response is None:
+        # A session that became a transcription session meanwhile answers nothing (its settings win).
+        if job.respond and session.response is None and not session.transcription_only:
             events = session.start_response(None)
             r = session.response
             assert r is not None

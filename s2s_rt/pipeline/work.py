@@ -51,9 +51,23 @@ class AudioBytes:
     """Input audio as the client sent it (base64 already undone), with its format and arrival time."""
 
     scope: Scope
-    data: bytes
+    #: A large append is heard in slices: views of its bytes, never copies.
+    data: bytes | memoryview
     format: AudioFormat
     received: float = field(default_factory=time.monotonic)
+
+    def seconds(self) -> float:
+        return len(self.data) / (self.format.rate * self.format.bytes_per_sample)
+
+    def split(self, seconds: float) -> tuple[AudioBytes, AudioBytes]:
+        """The first ``seconds`` (whole samples, at least one) and the rest, both views of the same bytes."""
+        step = self.format.bytes_per_sample
+        cut = max(step, int(seconds * self.format.rate) * step)
+        view = memoryview(self.data)
+        return (
+            AudioBytes(self.scope, view[:cut], self.format, self.received),
+            AudioBytes(self.scope, view[cut:], self.format, self.received),
+        )
 
 
 @dataclass(slots=True)
@@ -99,7 +113,7 @@ class Speak:
     response: Response
     text: str
     #: Its speech, synthesised ahead of the turn's end (as the TTS engine made it).
-    ahead: asyncio.Task[list[Float32Array]] | None = None
+    ahead: asyncio.Task[list[Float32Array] | None] | None = None
 
 
 @dataclass(slots=True)

@@ -77,6 +77,8 @@ class Session:
         self.turns = 0
         #: Per item: the words already streamed as transcription deltas while the user spoke.
         self._streamed: dict[str, str] = {}
+        #: The id ``speech_started`` announced for the turn being spoken: the server's, until it is committed.
+        self._announced: str | None = None
 
     # --- event helpers -------------------------------------------------
 
@@ -189,6 +191,14 @@ class Session:
             ProtocolError: a bad role/content, duplicate id, unknown previous item.
         """
         item = self.conversation.item_from_client(ev.item, ev.event_id)
+        if item.id == self._announced:
+            raise ProtocolError(
+                "item_id_already_exists",
+                f"Item id {item.id!r} was announced by input_audio_buffer.speech_started for the turn being spoken;"
+                " choose another id",
+                param="item.id",
+                event_id=ev.event_id,
+            )
         self.conversation.check_fits(item, ev.event_id)
         prev = self.conversation.insert(item, ev.previous_item_id, ev.event_id)
         return self._added(item, prev) + self.trim()
@@ -242,6 +252,8 @@ class Session:
 
     def commit_audio(self, item_id: str) -> list[se.ServerEvent]:
         """The input buffer became a user item (its transcript ``null`` until transcribed)."""
+        if item_id == self._announced:
+            self._announced = None
         item = self.conversation.user_audio(item_id)
         prev = self.conversation.insert(item, None, None)
         return [
@@ -476,6 +488,7 @@ class Session:
     # --- events the pipeline reports -------------------------------------
 
     def speech_started(self, audio_start_ms: int, item_id: str) -> se.ServerEvent:
+        self._announced = item_id
         return self._ev(
             se.SpeechStarted, "input_audio_buffer.speech_started", audio_start_ms=audio_start_ms, item_id=item_id
         )
