@@ -7,7 +7,7 @@ MODELS := $(VENV)/.models-installed
 ARGS   ?=
 PYTEST_ARGS ?=
 
-.PHONY: install models llama-server serve test bench bench-llm soak lint clean
+.PHONY: install models llama-server serve test bench bench-llm soak fuzz lint clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -80,6 +80,11 @@ bench-llm: models llama-server
 # About 10 minutes: 50 fake-stack sessions come, talk, misbehave and leave (see BENCHMARKS.md).
 soak: install
 	$(BIN)/python bin/s2s-rt-soak --minutes 10 --sessions 50
+
+# Ten minutes of the protocol fuzzer on fresh seeds (tests/test_session_fuzz.py; FUZZ_SEED=N replays one).
+fuzz: install
+	FUZZ_SECONDS=$${FUZZ_SECONDS:-600} FUZZ_KEEP_GOING=1 $(BIN)/python -m pytest tests/test_session_fuzz.py \
+		-k never_stop_the_server -s $(PYTEST_ARGS)
 
 lint: install
 	$(BIN)/ruff check s2s_rt tests

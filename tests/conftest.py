@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import importlib
 import json
 import os
 import urllib.error
 import urllib.request
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from types import ModuleType
+from typing import Any, NoReturn, TypeVar
 
 import numpy as np
 import pytest
@@ -24,10 +26,61 @@ from conformance import validate_server_event
 from websockets.asyncio.client import ClientConnection, connect
 
 from s2s_rt import Config, Server
+from s2s_rt.engines.base import Stack
 from s2s_rt.models import PreparedModels
 from s2s_rt.wer import word_error_rate, words  # noqa: F401 - shared with the test modules
 
 T = TypeVar("T")
+
+
+# --- what a test needs from the machine: skipped here, a failure in CI ------------------------------
+
+
+def in_ci() -> bool:
+    """Whether this is a CI run (``CI`` set, as CI services and ``.ci/run``'s callers set it to ``true``)."""
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def require(condition: object, why: str) -> None:
+    """Skip the calling test unless ``condition`` holds; under CI, fail it instead.
+
+    CI installs everything the tests need (``.ci/run``), so there a missing
+    program, package or model is a broken set-up, not a reason to pass.
+    """
+    if condition:
+        return
+    if in_ci():
+        pytest.fail(f"{why} (CI={os.environ.get('CI')!r}: what a test needs must be there in CI)", pytrace=False)
+    pytest.skip(why)
+
+
+def missing(why: str) -> NoReturn:
+    """:func:`require` of something known to be missing."""
+    require(False, why)
+    raise AssertionError("unreachable")  # require(False, ...) always raises
+
+
+def require_module(name: str, why: str) -> ModuleType:
+    """Import ``name`` for the calling test; like :func:`require` when it cannot be imported."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        missing(f"{why} ({exc})")
+
+
+def requires(condition: object, why: str) -> pytest.MarkDecorator:
+    """A mark (for a test, a class or ``pytestmark``) that applies :func:`require` before the test's fixtures run."""
+    return pytest.mark.requires(bool(condition), why)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "requires(condition, why): skip unless condition holds; fail under CI")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    for mark in item.iter_markers("requires"):
+        require(*mark.args)
 
 
 def run(coro: Awaitable[T], timeout: float = 60.0) -> T:
@@ -39,12 +92,40 @@ def run(coro: Awaitable[T], timeout: float = 60.0) -> T:
     return asyncio.run(bounded())
 
 
+#: What the default stack does and the fake one does not, unless asked: transcribe a turn (and begin its
+#: answer) once its closing silence has lasted this long (``Config.speculate_after_ms``).
+DEFAULT_STACK_SPECULATE_AFTER_MS = 150
+
+#: Config fields every :func:`live_server` of the running test gets (set by fixtures such as :func:`speculation`).
+_live_defaults: dict[str, Any] = {}
+
+
 @asynccontextmanager
-async def live_server(**overrides: Any):  # type: ignore[no-untyped-def]
-    """A fake-stack server on a free port; overrides go to :class:`Config`."""
-    cfg = {"port": 0, "stack": "fake", "pool_size": 4, "drain_timeout_s": 2.0, "grace_period_s": 2.0} | overrides
-    async with Server(Config(**cfg)) as server:
+async def live_server(engines: Stack | None = None, **overrides: Any):  # type: ignore[no-untyped-def]
+    """A fake-stack server on a free port; overrides go to :class:`Config`, ``engines`` replace the fake stack's."""
+    cfg = {"port": 0, "stack": "fake", "pool_size": 4, "drain_timeout_s": 2.0, "grace_period_s": 2.0}
+    async with Server(Config(**cfg | _live_defaults | overrides), stack=engines) as server:
         yield server
+
+
+@pytest.fixture(
+    params=[0, DEFAULT_STACK_SPECULATE_AFTER_MS], ids=["fake-stack-no-speculation", "speculating-as-default-stack"]
+)
+def speculation(request: pytest.FixtureRequest) -> Iterator[int]:
+    """Run the test twice: on the fake stack as it is, and speculating as the default stack does.
+
+    Every :func:`live_server` the test starts gets ``speculate_after_ms``
+    from it, unless the test sets that field itself.
+    """
+    _live_defaults["speculate_after_ms"] = request.param
+    try:
+        yield request.param
+    finally:
+        _live_defaults.pop("speculate_after_ms", None)
+
+
+#: ``pytestmark = both_speculation_modes``: every test of the module runs with and without speculation.
+both_speculation_modes = pytest.mark.usefixtures("speculation")
 
 
 @pytest.fixture(scope="session")
@@ -63,13 +144,13 @@ def shared_models_root() -> Path:
 
 @pytest.fixture(scope="session")
 def default_models() -> PreparedModels:
-    """The default stack's models from the shared cache (built on first use); skips the test if they cannot be."""
+    """The default stack's models from the shared cache (built on first use); without them, skip (in CI: fail)."""
     from s2s_rt.models import ModelError, ensure_prepared
 
     try:
         return ensure_prepared(progress=lambda _line: None)
     except ModelError as exc:
-        pytest.skip(f"default models unavailable: {exc}")
+        missing(f"default models unavailable: {exc}")
 
 
 def tone(freq: float, seconds: float, rate: int = 24_000, level: float = 0.3) -> bytes:
@@ -194,9 +275,7 @@ async def http_get(
     """An HTTP request (GET by default) on the server's port, off the loop (urllib is blocking)."""
 
     def get() -> tuple[int, str]:
-        request = urllib.request.Request(
-            f"http://127.0.0.1:{server.port}{path}", method=method, headers=headers or {}
-        )
+        request = urllib.request.Request(f"http://127.0.0.1:{server.port}{path}", method=method, headers=headers or {})
         try:
             with urllib.request.urlopen(request, timeout=5) as r:
                 return r.status, r.read().decode()

@@ -8,8 +8,8 @@ events, so the page gets the user gesture audio needs. The server is the
 fake stack, run as ``python -m s2s_rt serve`` on a free port.
 
 Chromium comes from the system (Debian: ``apt-get install chromium``); the
-tests skip when it is missing; ``CHROMIUM=/path/to/chrome`` picks another
-binary. Set ``S2S_RT_SCREENSHOTS=DIR`` to keep screenshots of the page in the
+tests skip when it is missing (and fail in CI); ``CHROMIUM=/path/to/chrome``
+picks another binary. Set ``S2S_RT_SCREENSHOTS=DIR`` to keep screenshots of the page in the
 middle of a conversation and after a barge-in.
 """
 
@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import requires
 from websockets.sync.client import ClientConnection, connect
 
 STATIC = Path(__file__).resolve().parent.parent / "s2s_rt" / "static"
@@ -40,7 +41,7 @@ STATIC = Path(__file__).resolve().parent.parent / "s2s_rt" / "static"
 CHROMIUM = next(
     (p for p in (os.environ.get("CHROMIUM"), shutil.which("chromium"), shutil.which("chromium-browser")) if p), None
 )
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install chromium)")
+pytestmark = requires(CHROMIUM, "chromium is not installed (apt-get install chromium)")
 
 FLAGS = [
     "--headless",
@@ -79,9 +80,11 @@ def write_mic_wav(path: Path, *, lead_s: float, tone_s: float, tail_s: float, ra
 class ServerProcess:
     """``s2s-rt serve --stack fake`` in a subprocess; its log is kept for failures."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
         cmd = [sys.executable, "-m", "s2s_rt", "serve", "--stack", "fake", "--port", "0", "--grace-period", "1", *args]
-        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+        self.proc = subprocess.Popen(
+            cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=os.environ | (env or {})
+        )
         self.log: list[str] = []
         found = threading.Event()
         self.port = 0
@@ -115,8 +118,9 @@ class ServerProcess:
 
 
 @contextmanager
-def fake_server(*args: str) -> Iterator[ServerProcess]:
-    server = ServerProcess(*args)
+def fake_server(*args: str, env: dict[str, str] | None = None) -> Iterator[ServerProcess]:
+    """The fake-stack server with command-line ``args`` and extra environment ``env`` (``S2S_RT_…`` settings)."""
+    server = ServerProcess(*args, env=env)
     try:
         yield server
     finally:
@@ -314,7 +318,8 @@ def start_hands_free(browser: Browser, server: ServerProcess) -> Page:
 
 
 def test_hands_free_turn_shows_both_transcripts_plays_the_answer_and_its_latency(browser: Browser) -> None:
-    with fake_server("--pool-size", "1") as server:
+    stt_delay_ms = 400  # the least the answer can take after the end of speech
+    with fake_server("--pool-size", "1", env={"S2S_RT_FAKE_STT_DELAY_MS": str(stt_delay_ms)}) as server:
         page = start_hands_free(browser, server)
         page.wait_for("s2s.state === 'ready'")
         page.wait_for("s2s.userTranscripts.length > 0")
@@ -322,8 +327,10 @@ def test_hands_free_turn_shows_both_transcripts_plays_the_answer_and_its_latency
         page.wait_for("s2s.assistantTranscripts.length > 0")
         assert page.eval("s2s.assistantTranscripts[0]").startswith("You said: heard ")
         page.wait_for("s2s.turns.length > 0")
+        # From the end of speech to the first audio: past the STT's delay, and short of the 1.2 s the
+        # speech itself lasted (a latency counted from its start would include it).
         latency = page.eval("s2s.turns[0].latencyMs")
-        assert 0 <= latency < 5000
+        assert stt_delay_ms <= latency < stt_delay_ms + 1000, latency
         assert re.search(r"latency: last \d+ ms", page.text("latency"))
         # The answer is 7 words of 120 ms: playback counts what the speaker really played.
         page.wait_for("s2s.playedSamples >= 0.8 * 24000")

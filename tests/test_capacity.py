@@ -152,7 +152,9 @@ def test_a_flood_beyond_capacity_is_refused_while_the_admitted_keep_their_decisi
     refused = outcomes.count("session_limit_reached")
     assert admitted + refused == 70, outcomes
     assert cost >= 0.9 * FLOOD_VAD_COST  # the clock measured the VAD's cost
-    assert 1 <= admitted <= 0.7 / FLOOD_VAD_COST, (admitted, cost)
+    # Refused are only those beyond what listening can take: at least half of it is used, never more than all.
+    capacity = 0.7 / FLOOD_VAD_COST
+    assert capacity / 2 <= admitted <= capacity, (admitted, cost)
     delays.sort()
     assert len(delays) == admitted * 15
     p90 = delays[int(0.9 * len(delays))]
@@ -218,7 +220,7 @@ def test_a_session_whose_audio_piles_up_is_closed_alone_with_its_error() -> None
     run(scenario(), timeout=60)
 
 
-def test_pings_are_answered_while_audio_waits_and_a_session_past_its_input_budget_is_closed() -> None:
+def test_pings_are_answered_while_audio_waits_and_a_session_past_its_input_budget_is_slowed_not_closed() -> None:
     async def scenario() -> None:
         async with live_server(
             pool_size=2, listen_s_per_tick=0.02, max_audio_backlog_s=30, max_input_queue_mib=1
@@ -234,17 +236,18 @@ def test_pings_are_answered_while_audio_waits_and_a_session_past_its_input_budge
                 started = time.monotonic()
                 await asyncio.wait_for(await ws.ping(), 2)
                 assert time.monotonic() - started < 1.0
-                for _ in range(60):  # past the 1 MiB budget of waiting audio
+                for _ in range(60):  # past the 1 MiB budget of waiting audio: the sender waits while it is heard
                     await ws.send(chunk)
-                codes = []
-                try:
-                    async for raw in ws:
-                        e = json.loads(raw)
-                        if e["type"] == "error":
-                            codes.append(e["error"]["code"])
-                except Exception:
-                    pass
-                assert "audio_backlog_exceeded" in codes and ws.close_code == 1013
+                await ws.send(json.dumps({"type": "input_audio_buffer.clear"}))  # behind all of that audio
+                events = []
+                async for raw in ws:
+                    events.append(json.loads(raw))
+                    if events[-1]["type"] == "input_audio_buffer.cleared":
+                        break
+                # Every append was heard (30 s of tone make turns), none refused, and the session stays.
+                assert not [e for e in events if e["type"] == "error"]
+                assert [e for e in events if e["type"] == "input_audio_buffer.speech_started"]
+                await asyncio.wait_for(await ws.ping(), 5)
 
     run(scenario(), timeout=60)
 

@@ -4,7 +4,9 @@ Every event a :class:`~conftest.RealtimeClient` receives goes through
 :func:`conformance.validate_server_event`; these tests pin down that the
 validator is strict (unknown event types, unknown or misspelt fields at any
 depth, missing required fields, wrong literals, wrong JSON types) and that the
-client hook uses the right dialect and cannot be swallowed silently.
+client hook uses the right dialect and cannot be swallowed silently; and that
+what the server sends in spoken turns conforms in both dialects, with the
+fake stack speculating as the default stack does and without.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 
 import pytest
 from conformance import ConformanceError, event_types, validate_server_event
-from conftest import RealtimeClient, live_server, run
+from conftest import RealtimeClient, both_speculation_modes, http_get, live_server, run, silence, tone
 
 # -- correct events of each dialect -------------------------------------------------------------
 
@@ -419,5 +421,39 @@ def test_a_swallowed_nonconformity_still_fails_when_the_client_closes() -> None:
                         await c.recv()
                     except Exception:
                         pass  # a careless test swallows it
+
+    run(scenario())
+
+
+# -- what the server sends ------------------------------------------------------------------------
+
+
+@both_speculation_modes
+@pytest.mark.parametrize("beta", [False, True], ids=["ga", "beta"])
+def test_spoken_turns_a_barge_in_and_a_tool_call_send_only_conformant_events(beta: bool, speculation: int) -> None:
+    weather = {
+        "type": "function",
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    }
+
+    async def scenario() -> None:
+        async with live_server(fake_llm_token_delay_ms=30) as server:
+            # Every event this client receives is validated in its dialect (a failure ends the test).
+            async with RealtimeClient.connect(server, beta=beta, transcribe=True) as c:
+                await c.send("session.update", session={"tools": [weather]})
+                await c.append_audio(tone(440, 0.6) + silence(0.8), pace_s=0.005)
+                assert (await c.until("response.done"))["response"]["status"] == "completed"
+                # Speech while the next answer plays cancels it.
+                await c.ask(" ".join(f"word{i}" for i in range(40)))
+                await c.until("response.created")
+                await c.append_audio(tone(520, 0.6) + silence(0.8), pace_s=0.005)
+                cancelled = await c.until("response.done")
+                assert cancelled["response"]["status_details"]["reason"] == "turn_detected"
+                assert (await c.until("response.done"))["response"]["status"] == "completed"
+                called = await c.say_text("get_weather Paris")
+                assert called["response"]["output"][0]["type"] == "function_call"
+            metrics = (await http_get(server, "/metrics"))[1]
+            assert ('s2s_speculative_stt_total{outcome="' in metrics) is bool(speculation), "speculated as asked"
 
     run(scenario())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import RealtimeClient, run
+from websockets.exceptions import ConnectionClosed
 
 from s2s_rt import Config, Server, load_config
 from s2s_rt.config import ConfigError
@@ -31,19 +33,31 @@ def test_async_with_server_on_port_zero_serves_and_closes() -> None:
     run(scenario())
 
 
-def test_close_sends_1001_to_live_sessions_after_grace() -> None:
+def test_close_lets_a_running_answer_go_on_for_the_grace_period_then_sends_1001() -> None:
+    grace_s = 1.0
+
     async def scenario() -> None:
-        server = Server(Config(port=0, stack="fake", pool_size=1, grace_period_s=0.5))
+        server = Server(Config(port=0, stack="fake", pool_size=1, grace_period_s=grace_s))
         await server.start()
         async with RealtimeClient.connect(server) as c:
-            await c.until("session.created")
-            await server.close()
-            try:
+            # An answer of 40 one-word sentences at 100 ms a word, each spoken once complete: four seconds.
+            await c.ask("[[slow 100]] " + " ".join(f"w{i}." for i in range(40)))
+            await c.until("response.output_audio.delta")
+            loop = asyncio.get_running_loop()
+            closing = asyncio.create_task(server.close())
+            started = loop.time()
+            during = []
+            with pytest.raises(ConnectionClosed):
                 while True:
-                    await c.recv(timeout=3)
-            except Exception:
-                pass
+                    event = await c.recv(timeout=grace_s + 3)
+                    during.append((loop.time() - started, event["type"]))
+            closed_after = loop.time() - started
+            await closing
             assert c.ws.close_code == 1001
+            assert grace_s <= closed_after < grace_s + 1.0, closed_after
+            # The answer went on during the grace period, and was cut by the close.
+            assert any(t > grace_s / 2 and kind == "response.output_audio.delta" for t, kind in during), during
+            assert "response.done" not in {kind for _, kind in during}
 
     run(scenario())
 

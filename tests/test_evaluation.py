@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from conftest import missing
 
 from s2s_rt.evaluation.asking import Assistant, CallResult
 from s2s_rt.evaluation.grading import is_right, spoken_word_error_rate
@@ -67,7 +68,7 @@ def test_an_answer_is_timed_to_its_first_token_and_first_audio() -> None:
     try:
         prepared = ensure_prepared(llm="tiny", progress=lambda _line: None)
     except ModelError as exc:
-        pytest.skip(f"models unavailable: {exc}")
+        missing(f"models unavailable: {exc}")
     from s2s_rt.engines.llm import CT2ChatLLM
     from s2s_rt.engines.piper import PiperTTS
 

@@ -1,11 +1,21 @@
-"""Function calling over the Realtime protocol, exactly, on the fake stack."""
+"""Function calling over the Realtime protocol, exactly, on the fake stack.
+
+Every test runs twice: with the fake LLM's tool call in one piece, and
+streamed token by token as a real model streams it (``<``, ``tool_call``,
+``>``, …), so the server's reading of a call that arrives in pieces crosses
+the wire too.
+"""
 
 from __future__ import annotations
 
 import json
 
+import pytest
 from conftest import RealtimeClient, live_server, run
 from openai import AsyncOpenAI
+
+from s2s_rt.engines.base import Stack
+from s2s_rt.engines.fake import load_fake_stack
 
 WEATHER = {
     "type": "function",
@@ -24,9 +34,15 @@ REMINDER = {
 }
 
 
-def test_model_call_becomes_function_call_item_and_result_is_spoken() -> None:
+@pytest.fixture(params=[False, True], ids=["call-in-one-piece", "call-token-by-token"])
+def engines(request: pytest.FixtureRequest) -> Stack:
+    """The fake stack, its LLM streaming tool calls whole or token by token."""
+    return load_fake_stack(stream_tool_calls=request.param)
+
+
+def test_model_call_becomes_function_call_item_and_result_is_spoken(engines: Stack) -> None:
     async def scenario() -> None:
-        async with live_server() as server:
+        async with live_server(engines) as server:
             async with RealtimeClient.connect(server) as c:
                 await c.send("session.update", session={"tools": [WEATHER, REMINDER], "tool_choice": "auto"})
                 done = await c.say_text("please get_weather Paris now")
@@ -41,8 +57,9 @@ def test_model_call_becomes_function_call_item_and_result_is_spoken() -> None:
                     "".join(d["delta"] for d in c.of_type("response.function_call_arguments.delta"))
                     == item["arguments"]
                 )
-                # Nothing of the call was spoken.
+                # Nothing of the call was spoken, nor shown as the answer's words.
                 assert not c.of_type("response.output_audio.delta")
+                assert not c.of_type("response.output_audio_transcript.delta")
                 assert not any("tool_call" in json.dumps(e) for e in c.events if "delta" in e and "audio" in e["type"])
                 # The client runs the function and hands back the result.
                 await c.send(
@@ -74,15 +91,16 @@ def test_function_call_output_with_unknown_call_id_is_an_error() -> None:
     run(scenario())
 
 
-def test_tool_choice_none_required_and_named() -> None:
+def test_tool_choice_none_required_and_named(engines: Stack) -> None:
     async def scenario() -> None:
-        async with live_server() as server:
+        async with live_server(engines) as server:
             async with RealtimeClient.connect(server) as c:
                 await c.send("session.update", session={"tools": [WEATHER, REMINDER]})
                 none = await c.say_text("get_weather Oslo", tool_choice="none")
                 assert none["response"]["output"][0]["type"] == "message"
                 required = await c.say_text("hello there", tool_choice="required", output_modalities=["text"])
                 assert required["response"]["output"][0]["name"] == "get_weather"
+                assert not c.of_type("response.output_text.delta")  # no piece of the call is shown as text
                 named = await c.say_text("hello again", tool_choice={"type": "function", "name": "set_reminder"})
                 assert named["response"]["output"][0]["name"] == "set_reminder"
                 assert json.loads(named["response"]["output"][0]["arguments"]) == {"minutes": 1}
@@ -94,9 +112,9 @@ def test_tool_choice_none_required_and_named() -> None:
     run(scenario())
 
 
-def test_tools_per_response_without_session_tools() -> None:
+def test_tools_per_response_without_session_tools(engines: Stack) -> None:
     async def scenario() -> None:
-        async with live_server() as server:
+        async with live_server(engines) as server:
             async with RealtimeClient.connect(server) as c:
                 done = await c.say_text("set_reminder please", tools=[REMINDER])
                 assert done["response"]["output"][0]["name"] == "set_reminder"
@@ -106,9 +124,9 @@ def test_tools_per_response_without_session_tools() -> None:
     run(scenario())
 
 
-def test_invalid_arguments_are_retried_once_then_reported_as_text() -> None:
+def test_invalid_arguments_are_retried_once_then_reported_as_text(engines: Stack) -> None:
     async def scenario() -> None:
-        async with live_server() as server:
+        async with live_server(engines) as server:
             async with RealtimeClient.connect(server) as c:
                 await c.send("session.update", session={"tools": [WEATHER]})
                 fixed = await c.say_text("get_weather Rome [[bad-args]]")
@@ -123,9 +141,9 @@ def test_invalid_arguments_are_retried_once_then_reported_as_text() -> None:
     run(scenario())
 
 
-def test_openai_sdk_function_call_round_trip() -> None:
+def test_openai_sdk_function_call_round_trip(engines: Stack) -> None:
     async def scenario() -> None:
-        async with live_server() as server:
+        async with live_server(engines) as server:
             client = AsyncOpenAI(api_key="sk-local", websocket_base_url=f"ws://127.0.0.1:{server.port}/v1")
             async with client.realtime.connect(model="s2s-rt") as conn:
                 await conn.session.update(

@@ -30,14 +30,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import RealtimeClient, eventually, run
+from conftest import RealtimeClient, eventually, requires, run
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from s2s_rt.workers import haproxy_server_lines
 
 HAPROXY = shutil.which("haproxy") or shutil.which("haproxy", path="/usr/sbin:/usr/local/sbin")
-pytestmark = pytest.mark.skipif(HAPROXY is None, reason="haproxy is not installed (apt-get install -y haproxy)")
+pytestmark = requires(HAPROXY, "haproxy is not installed (apt-get install -y haproxy)")
 
 REPO = Path(__file__).resolve().parent.parent
 HAPROXY_CFG = REPO / "deploy" / "haproxy.cfg"

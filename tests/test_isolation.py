@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 from conftest import RealtimeClient, live_server, run, silence, tone
 
@@ -101,11 +102,21 @@ def test_new_client_on_same_slot_never_receives_the_old_response() -> None:
 
 
 def test_event_loop_stays_responsive_while_engines_block_their_threads() -> None:
-    async def ticker(lags: list[float], stop: asyncio.Event) -> None:
-        while not stop.is_set():
+    """Four LLM calls block their threads for 300 ms a token; the loop and other sessions do not notice.
+
+    Both figures are compared with the same ones taken on the same server
+    before, when nothing was blocked: a loop that ran an engine call itself
+    would lag by the 300 ms it blocked, far past the margins.
+    """
+
+    async def worst_loop_lag(done: Callable[[], bool]) -> float:
+        """How late a 10 ms sleep woke at worst, until ``done()`` (a blocked loop wakes it late once, by all of it)."""
+        worst = 0.0
+        while not done():
             t = time.perf_counter()
             await asyncio.sleep(0.01)
-            lags.append(time.perf_counter() - t - 0.01)
+            worst = max(worst, time.perf_counter() - t - 0.01)
+        return worst
 
     async def blocked(server) -> None:
         async with RealtimeClient.connect(server) as c:
@@ -123,18 +134,23 @@ def test_event_loop_stays_responsive_while_engines_block_their_threads() -> None
 
     async def scenario() -> None:
         async with live_server(pool_size=8, stage_workers=4) as server:
-            lags: list[float] = []
-            stop = asyncio.Event()
-            tick = asyncio.create_task(ticker(lags, stop))
-            slow = [asyncio.create_task(blocked(server)) for _ in range(4)]
+            loop = asyncio.get_running_loop()
+            quiet_until = loop.time() + 1.0
+            quiet_lag = await worst_loop_lag(lambda: loop.time() >= quiet_until)
+            quiet_quick = max([await quick(server, n) for n in range(3)])
+            slow = asyncio.gather(*(blocked(server) for _ in range(4)))
+            lag = asyncio.ensure_future(worst_loop_lag(slow.done))
             await asyncio.sleep(0.5)  # all four LLM threads are now blocked
             quick_times = await asyncio.gather(*(quick(server, n) for n in range(3)))
-            await asyncio.gather(*slow)
-            stop.set()
-            await tick
-            lags.sort()
-            p99 = lags[int(len(lags) * 0.99) - 1]
-            assert p99 < 0.020, f"event loop lag p99 {p99 * 1000:.1f} ms"
-            assert max(quick_times) < 0.5, "other sessions' events kept flowing"
+            await slow
+            loaded_lag = await lag
+            assert loaded_lag < quiet_lag + 0.1, (
+                f"event loop lag {loaded_lag * 1000:.1f} ms, quiet {quiet_lag * 1000:.1f}"
+            )
+            assert max(quick_times) < 3 * quiet_quick + 0.1, (
+                "other sessions' events kept flowing",
+                quiet_quick,
+                quick_times,
+            )
 
     run(scenario())

@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
 
-import pytest
-from conftest import RealtimeClient, eventually, http_get, live_server, run
-from websockets.asyncio.client import connect
+from conftest import RealtimeClient, eventually, http_get, live_server, run, tone
+from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
 from s2s_rt import Server
-from s2s_rt.slot import Slot
+from s2s_rt.engines.base import Float32Array
+from s2s_rt.engines.fake import EnergyVAD, load_fake_stack
 
 
 def test_pool_full_rejects_with_session_limit_reached_and_1013() -> None:
@@ -36,16 +41,17 @@ def test_pool_full_rejects_with_session_limit_reached_and_1013() -> None:
 
 def test_freed_slot_is_claimable_at_once_even_while_it_drains() -> None:
     async def scenario() -> None:
-        async with live_server(pool_size=1) as server:
+        async with live_server(pool_size=1, drain_timeout_s=4.0) as server:
             for _ in range(5):
                 async with RealtimeClient.connect(server) as a:
                     await a.until("session.created")
-                # The slot may still be draining: the next client waits for it, not refused.
+                # The slot may still be draining: the next client waits for it, not refused…
                 loop = asyncio.get_running_loop()
                 t0 = loop.time()
                 async with RealtimeClient.connect(server) as b:
                     assert (await b.recv())["type"] == "session.created"
-                assert loop.time() - t0 < 1.0
+                # …and only while it drains, not until the drain's deadline.
+                assert loop.time() - t0 < server.config.drain_deadline_s / 2
 
     run(scenario())
 
@@ -86,47 +92,68 @@ def test_http_endpoints_and_404() -> None:
     run(scenario())
 
 
-def test_a_client_waiting_for_a_draining_slot_is_refused_if_listening_filled_up_meanwhile(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Admission is decided again after the wait for a draining slot, not only before it."""
-    finish = Slot._finish_drain
-    drained = asyncio.Event()
-    claiming = asyncio.Event()
+class SlowingVAD(EnergyVAD):
+    """The fake VAD, which costs 150 ms a call once ``slow`` is set: listening then falls behind."""
 
-    def held_drain(self: Slot) -> None:  # the slot stays draining until the test lets it go
-        async def later() -> None:
-            await drained.wait()
-            finish(self)
+    def __init__(self) -> None:
+        self.slow = threading.Event()
 
-        asyncio.get_running_loop().create_task(later())
+    def speech_probabilities(self, chunks: Float32Array, states: Sequence[Any]) -> Float32Array:
+        if self.slow.is_set():
+            time.sleep(0.15)
+        return super().speech_probabilities(chunks, states)
 
-    claim = Server._claim
 
-    async def watched_claim(self: Server) -> Slot | None:
-        claiming.set()  # the claim then runs to its wait for the draining slot before anything else
-        return await claim(self)
+def test_a_client_waiting_for_a_draining_slot_is_refused_if_listening_filled_up_meanwhile() -> None:
+    """Admission is decided again after the wait for a draining slot, not only before it.
 
-    monkeypatch.setattr(Slot, "_finish_drain", held_drain)
-    monkeypatch.setattr(Server, "_claim", watched_claim)
+    A client that floods and never reads is closed (1008); its slot drains
+    while the server waits, up to a second, for it to answer the close. A
+    client arriving meanwhile waits for that slot; while it waits,
+    listening falls behind (the VAD slows down), and when the slot is free
+    the waiting client is refused for capacity rather than given the slot.
+    """
+    stack = load_fake_stack()
+    vad = stack.vad = SlowingVAD()
+
+    async def flood(ws: ClientConnection) -> None:
+        with contextlib.suppress(ConnectionClosed):
+            while True:
+                for _ in range(20):
+                    await ws.send("x")
+                await asyncio.sleep(0.005)
+
+    async def draining(server: Server) -> bool:
+        return json.loads((await http_get(server, "/v1/pool"))[1])["states"]["draining"] == 1
+
+    async def listening_behind(server: Server) -> bool:
+        return 's2s_errors_total{code="listening_overloaded"} 1' in (await http_get(server, "/metrics"))[1]
 
     async def scenario() -> None:
-        async with live_server(pool_size=2) as server, RealtimeClient.connect(server) as staying:
-            assert server.clock is not None and server.pool is not None
+        async with (
+            live_server(
+                stack, pool_size=2, max_events_per_s=60, max_events_burst=60, flood_close_s=0.2, shed_after_ms=100
+            ) as server,
+            RealtimeClient.connect(server) as staying,
+        ):
             await staying.until("session.created")
-            async with RealtimeClient.connect(server) as a:
-                await a.until("session.created")
-            claiming.clear()
-            waiting = asyncio.ensure_future(connect(f"ws://127.0.0.1:{server.port}/v1/realtime"))
-            await claiming.wait()
-            assert server.pool.draining() == 1
-            server.clock.max_load = 0.0  # meanwhile, listening is predicted full
-            drained.set()
-            async with await waiting as b:
-                refused = json.loads(await b.recv())
-                assert refused["error"]["code"] == "session_limit_reached", refused
-                assert "capacity" in refused["error"]["message"]
-                await b.wait_closed()
-                assert b.close_code == 1013
+            url = f"ws://127.0.0.1:{server.port}/v1/realtime"
+            async with connect(url, max_queue=1) as flooder:
+                flooding = asyncio.create_task(flood(flooder))
+                assert await eventually(lambda: draining(server)), "the flooder's session ended and its slot drains"
+                async with connect(url) as waiting:  # no slot is free: it waits for the draining one
+                    vad.slow.set()
+                    talking = asyncio.create_task(staying.append_audio(tone(300, 1.0), pace_s=0.02))
+                    assert await eventually(lambda: listening_behind(server), 3.0)
+                    assert await draining(server), "listening fell behind while the slot still drained"
+                    refused = json.loads(await waiting.recv())
+                    assert refused["type"] == "error", refused
+                    assert refused["error"]["code"] == "session_limit_reached"
+                    assert "capacity" in refused["error"]["message"]
+                    await waiting.wait_closed()
+                    assert waiting.close_code == 1013
+                    vad.slow.clear()
+                    await talking
+                flooding.cancel()
 
     run(scenario())

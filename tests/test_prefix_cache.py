@@ -94,6 +94,10 @@ def test_kept_state_answers_exactly_as_a_full_reading_and_stays_within_its_bound
     assert directory is not None
     plain = CT2ChatLLM(directory, intra_threads=2)
     kept = CT2ChatLLM(directory, intra_threads=2, prefix_cache_tokens=400, prefix_session_tokens=300)
+    # Where the start-up check finds that the CPU reads a prompt after a kept state otherwise than whole, nothing is
+    # kept and every answer reads its whole prompt (test_kept_state.py); the answers must be the same either way.
+    assert kept.kept_state is not None
+    trusted = kept.kept_state.trusted
 
     usage = LLMUsage()
 
@@ -104,12 +108,12 @@ def test_kept_state_answers_exactly_as_a_full_reading_and_stays_within_its_bound
     conversation = [ChatMessage("system", DEFAULT_INSTRUCTIONS)]
     questions = ["What is the capital of France?", "And of Italy?", "How many legs does a spider have?"]
     for question in questions:
-        assert kept.prime(conversation) or len(conversation) == 1  # a lone system message has nothing to keep
+        assert kept.prime(conversation) == trusted or len(conversation) == 1  # a lone system message: nothing to keep
         messages = [*conversation, ChatMessage("user", question)]
         said = answer(kept, messages)
         if len(conversation) > 1:  # the answer read only its own turn, and says so in its usage
             primed = sum(map(len, kept._chat.encode(conversation).turns[:-1]))
-            assert usage.cached_tokens == primed
+            assert usage.cached_tokens == (primed if trusted else 0)
         assert said == answer(plain, messages)  # greedy: the same tokens as reading it all
         conversation += [ChatMessage("user", question), ChatMessage("assistant", said)]
     assert kept.prefixes.held_tokens <= 400
@@ -125,9 +129,9 @@ def test_kept_state_answers_exactly_as_a_full_reading_and_stays_within_its_bound
             ChatMessage("user", "Hi"),
             ChatMessage("assistant", "Hello!"),
         ]
-        assert kept.prime(other)
+        assert kept.prime(other) == trusted
         assert kept.prefixes.held_tokens <= 400
-    assert kept.reloads > reloads
+    assert (kept.reloads > reloads) == trusted
     messages = [*conversation, ChatMessage("user", "Thanks!")]
     assert answer(kept, messages) == answer(plain, messages)
 

@@ -3,20 +3,33 @@
 Each test makes an event arrive at the moment that used to break a promise:
 a session never sees another's output, a slot always comes back, a cancelled
 or failed response never leaks past its ``response.done``, and a finished one
-is always delivered whole.
+is always delivered whole. Every test runs twice: on the fake stack as it is,
+and speculating (transcribing and answering during a turn's closing silence)
+as the default stack does.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import re
 import socket
 import threading
 import time
+from typing import Any
 
 import pytest
-from conftest import RealtimeClient, eventually, http_get, live_server, run, silence, tone
+from conftest import (
+    RealtimeClient,
+    both_speculation_modes,
+    eventually,
+    http_get,
+    live_server,
+    run,
+    silence,
+    tone,
+)
 from websockets.asyncio.client import connect
 
 from s2s_rt.inference import StagePool
@@ -24,6 +37,8 @@ from s2s_rt.metrics import Metrics
 from s2s_rt.pipeline import responding
 from s2s_rt.pipeline.transcribing import Transcriber
 from s2s_rt.pipeline.work import SessionEnd
+
+pytestmark = both_speculation_modes
 
 
 async def _pool_states(server) -> dict[str, int]:  # type: ignore[no-untyped-def]
@@ -67,17 +82,19 @@ def test_turning_turn_detection_off_while_audio_is_scored_never_crashes_a_stage(
 
 
 def test_slow_engine_call_at_session_end_does_not_take_the_slot_out_of_service() -> None:
+    block_s = 3.0
+
     async def scenario() -> None:
         async with live_server(pool_size=1, drain_timeout_s=0.3) as server:
             async with RealtimeClient.connect(server) as a:
                 await a.until("session.created")
-                # An engine call that blocks its thread for 2 s per token and never checks for cancellation.
-                await a.ask("[[block 2000]] hi")
+                # An engine call that blocks its thread per token and never checks for cancellation.
+                await a.ask(f"[[block {block_s * 1000:.0f}]] hi")
                 await a.until("response.created")
             started = time.monotonic()
             async with RealtimeClient.connect(server) as b:
                 await b.until("session.created")
-                assert time.monotonic() - started < 1.0
+                assert time.monotonic() - started < block_s / 2, "served long before the stuck call ends"
                 done = await b.say_text("next client")
                 assert done["response"]["status"] == "completed"
             assert (await _pool_states(server))["quarantined"] == 0
@@ -295,21 +312,31 @@ def test_discarded_speculations_never_pile_up_engine_calls() -> None:
 
 
 def test_cancelling_an_engine_call_as_it_completes_is_never_swallowed() -> None:
+    """The call's result is already on its way to the loop when its caller is cancelled: the caller is cancelled."""
+
     async def scenario() -> None:
         pool = StagePool("stt", 2, Metrics(dict, lambda: 0), 5.0)
-        swallowed = 0
-        for _ in range(40):
+        submitted: list[concurrent.futures.Future[Any]] = []
+        submit = pool.executor.submit
+
+        def recorded(*args: Any, **kwargs: Any) -> concurrent.futures.Future[Any]:
+            submitted.append(submit(*args, **kwargs))
+            return submitted[-1]
+
+        pool.executor.submit = recorded  # type: ignore[method-assign]
+        outcomes = []
+        for _ in range(20):
             task = asyncio.create_task(pool.call(lambda: 1))
-            await asyncio.sleep(0)  # the call is submitted
-            time.sleep(0.005)  # the worker finishes: the result is on its way to the loop
+            await asyncio.sleep(0)  # the call is submitted, and its caller waits for the result
+            handed_over = threading.Event()
+            # Called after the caller's own callback, which hands the result to the loop.
+            submitted[-1].add_done_callback(lambda _, handed_over=handed_over: handed_over.set())
+            assert handed_over.wait(5)  # the loop stands still meanwhile: the result waits in its queue
             task.cancel()
-            try:
-                await task
-                swallowed += 1
-            except asyncio.CancelledError:
-                pass
+            await asyncio.wait((task,))
+            outcomes.append("cancelled" if task.cancelled() else f"returned {task.result()!r}")
         pool.shutdown()
-        assert swallowed == 0
+        assert outcomes == ["cancelled"] * 20
 
     run(scenario())
 

@@ -1,4 +1,10 @@
-"""semantic_vad: a turn ends sooner when the words so far sound finished, and waits when they do not."""
+"""semantic_vad: a turn ends sooner when the words so far sound finished, and waits when they do not.
+
+On the fake stack with two stand-ins: an STT that hears a tone's pitch as
+words (a finished question at one pitch, an unfinished sentence at another)
+and a judge that finds words ending a sentence finished. The real VAD,
+Whisper and LLM judging are in ``test_real_pipeline.py``.
+"""
 
 from __future__ import annotations
 
@@ -6,22 +12,36 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import pytest
 from conftest import RealtimeClient, run, silence, tone
 
 from s2s_rt.config import Config
-from s2s_rt.engines.base import ChatMessage
-from s2s_rt.engines.fake import EchoLLM, load_fake_stack
+from s2s_rt.engines.base import PIPELINE_RATE, ChatMessage, Float32Array, Transcript
+from s2s_rt.engines.fake import ChecksumSTT, EchoLLM, load_fake_stack
 from s2s_rt.protocol.config import EAGERNESS_MAX_MS, TurnDetection
 from s2s_rt.server import Server
 from s2s_rt.turn import SemanticTurnEnd, TurnDetector
 
 # A 20 ms append at real time: judgements arrive in the silence, as they would from a microphone.
 PACE_S = 0.02
+FINISHED, UNFINISHED = "What is the capital of France?", "I would like to book a table for"
+#: What the test's STT hears in a tone of each pitch: the same length of speech, different words.
+WORDS_BY_PITCH = {300: FINISHED, 500: UNFINISHED}
+
+
+class WordsSTT(ChecksumSTT):
+    """Hears a tone as the words of its pitch (:data:`WORDS_BY_PITCH`), whatever its length."""
+
+    def transcribe(self, audio: Float32Array, *, language: str | None = None, prompt: str | None = None) -> Transcript:
+        spectrum = np.abs(np.fft.rfft(audio))
+        pitch = float(np.argmax(spectrum)) * PIPELINE_RATE / len(audio)
+        heard = min(WORDS_BY_PITCH, key=lambda f: abs(f - pitch))
+        return Transcript(WORDS_BY_PITCH[heard], language or "en")
 
 
 class JudgingLLM(EchoLLM):
-    """The fake LLM, recording what it judged; speech of a second or more (as the fake STT heard it) is unfinished."""
+    """The fake LLM, recording what it judged: words that end a sentence sound finished, others do not."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -29,8 +49,7 @@ class JudgingLLM(EchoLLM):
 
     def turn_end_probability(self, messages: Sequence[ChatMessage]) -> float:
         self.judged.append(list(messages))
-        heard_ms = int(messages[-1].content.split()[1])  # "heard 1230 ms crc …"
-        return 1e-6 if heard_ms >= 1000 else 0.95
+        return 0.95 if messages[-1].content.rstrip().endswith((".", "?", "!")) else 1e-6
 
 
 async def _speech_stopped(c: RealtimeClient, speech: bytes, silence_s: float) -> dict[str, Any] | None:
@@ -50,14 +69,15 @@ async def _speech_stopped(c: RealtimeClient, speech: bytes, silence_s: float) ->
 
 def _server(llm: EchoLLM, **config: Any) -> Server:
     stack = load_fake_stack()
-    stack.llm = llm
+    stack.stt, stack.llm = WordsSTT(), llm
     return Server(
         Config(port=0, stack="fake", pool_size=2, drain_timeout_s=2.0, grace_period_s=2.0, **config), stack=stack
     )
 
 
 def test_a_finished_question_ends_sooner_than_an_unfinished_one_with_the_same_silence() -> None:
-    complete, fragment = tone(300, 0.6), tone(300, 1.0)
+    """Two turns alike in all but their words: 0.8 s of speech, then the same silence."""
+    complete, fragment = tone(300, 0.8), tone(500, 0.8)
     llm = JudgingLLM()
 
     async def scenario() -> tuple[Any, Any, Any]:
@@ -76,10 +96,12 @@ def test_a_finished_question_ends_sooner_than_an_unfinished_one_with_the_same_si
             return done, waiting, later
 
     done, waiting, later = run(scenario())
-    assert done is not None and 600 + 200 - 40 <= done["audio_end_ms"] <= 600 + 200 + 40
+    assert done is not None and 800 + 200 - 40 <= done["audio_end_ms"] <= 800 + 200 + 40
     assert waiting is None
-    assert later is not None and later["audio_end_ms"] == pytest.approx(1000 + EAGERNESS_MAX_MS["high"], abs=40)
-    assert llm.judged and llm.judged[0][0].role == "system" and llm.judged[0][-1].role == "user"
+    assert later is not None and later["audio_end_ms"] == pytest.approx(800 + EAGERNESS_MAX_MS["high"], abs=40)
+    judged = {m[-1].content for m in llm.judged}
+    assert judged == {FINISHED, UNFINISHED}, judged  # the words were judged, nothing else
+    assert llm.judged[0][0].role == "system" and llm.judged[0][-1].role == "user"
 
 
 def test_never_before_the_configured_minimum() -> None:

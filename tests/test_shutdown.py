@@ -114,3 +114,35 @@ def test_sigterm_with_eight_sessions_mid_turn() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_sigterm_ends_a_process_whose_engine_call_is_wedged_within_the_grace_period_and_a_second() -> None:
+    """An engine call that never checks for cancellation holds its thread (and the interpreter's exit) for a minute."""
+    grace = 1.0
+    proc, port = _start(pool_size=2, grace=grace)
+    url = f"ws://127.0.0.1:{port}/v1/realtime"
+
+    async def scenario() -> float:
+        async with connect(url) as ws:
+            item = {
+                "type": "message",
+                "role": "user",
+                "content": [{"type": "input_text", "text": "[[block 60000]] wedged"}],
+            }
+            await ws.send(json.dumps({"type": "conversation.item.create", "item": item}))
+            await ws.send(json.dumps({"type": "response.create"}))
+            while json.loads(await ws.recv())["type"] != "response.created":
+                pass
+            await asyncio.sleep(0.3)  # the engine call is under way, blocking its thread
+            signalled = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            await asyncio.to_thread(proc.wait, 30)
+            return time.monotonic() - signalled
+
+    try:
+        took = run(scenario())
+        assert took <= grace + 1.0, f"exited {took:.2f} s after SIGTERM (grace {grace} s)"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -28,8 +28,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
-import pytest
-from conftest import live_server, run, silence, tone
+from conftest import live_server, require_module, run, silence, tone
 
 RATE = 24_000
 CHUNK_S = 0.1  # both libraries are fed 100 ms of PCM16 at a time
@@ -54,11 +53,11 @@ def needs_agents() -> None:
     # It runs fine on websockets 17. To run these tests, install it beside the extra:
     #   .venv/bin/pip install -c constraints.txt "griffelib>=2,<3" "mcp>=1.19,<3"
     #   .venv/bin/pip install -c constraints.txt --no-deps openai-agents
-    pytest.importorskip("agents.realtime", reason="openai-agents is not installed (see needs_agents)")
+    require_module("agents.realtime", "openai-agents is not installed (see needs_agents)")
 
 
 def needs_livekit() -> None:
-    pytest.importorskip("livekit.plugins.openai.realtime", reason="livekit-plugins-openai is not installed")
+    require_module("livekit.plugins.openai.realtime", "livekit-plugins-openai is not installed")
 
 
 # --- what the libraries log ------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import RealtimeClient, run
+from conftest import RealtimeClient, requires, run
 from test_haproxy import HAPROXY, HAPROXY_CFG, PortTaken, free_ports, http_get, server_block, stop, wait_for
 from websockets.asyncio.client import connect
 
@@ -195,7 +195,7 @@ def test_workers_die_with_a_killed_launcher(launcher: Launcher) -> None:
         time.sleep(0.05)
 
 
-@pytest.mark.skipif(HAPROXY is None, reason="haproxy is not installed (apt-get install -y haproxy)")
+@requires(HAPROXY, "haproxy is not installed (apt-get install -y haproxy)")
 def test_printed_lines_make_a_valid_haproxy_cfg(launcher: Launcher, tmp_path: Path) -> None:
     printed = [line for line in launcher.stdout.read_text().splitlines() if line.startswith("    server ")]
     cfg = tmp_path / "haproxy.cfg"
