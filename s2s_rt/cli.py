@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib
+import logging
 import os
 import sys
 from collections.abc import Coroutine
-from typing import Any
+from typing import Any, NoReturn
 
 from s2s_rt.config import ConfigError, load_config
 from s2s_rt.logs import setup_logging
@@ -155,7 +156,22 @@ def main(argv: list[str] | None = None) -> int:
         except ModelError as exc:
             print(f"s2s-rt: {exc}", file=sys.stderr)
             return 1
-        return 0
+        except Exception:
+            # A process-wide task failed past restarting (or start-up failed): exit non-zero at once, for the
+            # supervisor to restart it; an engine call still blocking its thread must not hold the exit.
+            logging.getLogger("s2s_rt").exception("s2s-rt stopped after a failure")
+            _exit_now(1)
+        # Shut down gracefully; engine threads still blocked in a call (they cannot be cancelled) must not hold
+        # the process: the interpreter would wait for them at exit.
+        _exit_now(0)
+    return 2
+
+
+def _exit_now(status: int) -> NoReturn:
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
     return 2
 
 

@@ -150,9 +150,7 @@ def test_a_failed_session_whose_client_never_answers_the_close_starts_no_work() 
     run(scenario())
 
 
-def test_switching_to_a_transcription_session_while_a_turn_is_transcribed_answers_nothing_and_crashes_nothing() -> (
-    None
-):
+def test_switching_to_a_transcription_session_while_a_turn_is_transcribed_answers_nothing_and_crashes_nothing() -> None:
     async def scenario() -> None:
         # A slow STT: the switch arrives while the turn is being transcribed, before its response starts.
         async with live_server(pool_size=2, fake_stt_delay_ms=300) as server:
@@ -259,7 +257,12 @@ def test_a_client_that_floods_without_reading_and_leaves_gives_its_slot_back() -
                 big = "x" * (3 << 20)
                 await c.send(
                     "conversation.item.create",
-                    item={"id": "big", "type": "message", "role": "user", "content": [{"type": "input_text", "text": big}]},
+                    item={
+                        "id": "big",
+                        "type": "message",
+                        "role": "user",
+                        "content": [{"type": "input_text", "text": big}],
+                    },
                 )
                 await c.until("conversation.item.added")
                 c.ws.transport.pause_reading()

@@ -312,3 +312,40 @@ def test_a_required_call_that_is_not_json_is_still_reported_as_a_call() -> None:
 def test_a_required_call_in_bold_is_cleaned() -> None:
     _, rest = _framed(['**{"name": "f", "arguments": {}}**'], required=True)
     assert rest == '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+
+
+def test_an_answer_whose_words_are_held_back_goes_first_only_for_its_first_tokens(tiny_llm: CT2ChatLLM) -> None:
+    """A held-back answer (a tool call is never "heard" until it ends) must not hold every other answer."""
+    from s2s_rt.engines.llm import URGENT_TOKENS
+
+    long = [ChatMessage("user", "Write a long story about a cat, at least 300 words.")]
+    firsts: dict[str, float] = {}
+    ends: dict[str, float] = {}
+    started = threading.Event()
+
+    def held_back() -> None:
+        usage = LLMUsage()
+        for _ in tiny_llm.stream(
+            long, max_tokens=400, temperature=0.0, should_stop=_never, usage=usage, urgent=lambda: True
+        ):
+            if usage.output_tokens >= 2:
+                started.set()
+        started.set()
+        ends["held"] = time.monotonic()
+
+    def other() -> None:
+        started.wait(30)
+        for _ in tiny_llm.stream(
+            QUESTION, max_tokens=8, temperature=0.0, should_stop=_never, usage=LLMUsage(), urgent=lambda: True
+        ):
+            firsts.setdefault("other", time.monotonic())
+        ends["other"] = time.monotonic()
+
+    threads = [threading.Thread(target=held_back), threading.Thread(target=other)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert URGENT_TOKENS < 400
+    # The other answer got its words out while the held-back one was still generating.
+    assert firsts["other"] < ends["held"] and ends["other"] < ends["held"], (firsts, ends)

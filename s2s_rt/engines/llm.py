@@ -865,8 +865,11 @@ class CT2ChatLLM:
                             piece = framing.feed(piece)
                         if piece:
                             yield piece
-                        if waiting and urgent is not None and not urgent():
-                            waiting = False  # it has spoken: from now on it gives way to answers that have not
+                        if waiting and (len(said) >= URGENT_TOKENS or (urgent is not None and not urgent())):
+                            # It has spoken, or had its share: from now on it gives way to answers that have not.
+                            # (An answer whose words are held back, a tool call, would otherwise stay urgent for
+                            # its whole length and hold every other session's answer.)
+                            waiting = False
                             turns.leave()
                 finally:
                     # Closing tells CTranslate2 to stop at its next token and waits for it.
@@ -1021,6 +1024,10 @@ class CT2ChatLLM:
 #: Vocabulary entries that end a sentence: marks, then perhaps quotes and line breaks (byte-level BPE
 #: writes a space as "Ġ" and a line break as "Ċ"; SentencePiece a space as "▁").
 _SENTENCE_END = re.compile(r"[Ġ▁]?[.?!]+[\"')]*(Ċ|ĊĊ|<0x0A>)*")
+
+
+#: An answer goes before answers already being heard for at most this many tokens (about a second), spoken or not.
+URGENT_TOKENS = 24
 
 
 class Turns:

@@ -93,7 +93,7 @@ class Dispatcher:
         if not slot.input_budget.try_take(len(ev.audio)):
             return False
         try:
-            slot.listener.audio(ctx, ev.audio)
+            slot.listener.audio(ctx, ev.audio, ev.event_id)
         except ProtocolError:
             slot.input_budget.release(len(ev.audio))
             raise

@@ -167,6 +167,10 @@ class ListeningState:
         self.idle_from = 0  # sample clock when idle time started counting
         #: Audio time of the last live-caption pass (transcription sessions).
         self.captioned_ms = 0.0
+        #: The client was told the buffer is full; not again until it has room.
+        self.buffer_full = False
+        #: The ``event_id`` of the last append heard.
+        self.heard_event_id: str | None = None
 
     def backlog_s(self, now: float) -> float:
         """How long the oldest audio not yet heard has waited."""
@@ -561,6 +565,7 @@ class ListeningClock:
                     size = sum(len(s.data) for s in segments)
                     ls.inbox_bytes -= size
                     slot.input_budget.release(size)
+                    ls.heard_event_id = segments[-1].event_id
                 if got is not None:
                     slot.listener.heard(ctx, got)
                 slot.listener.commands(ctx)
@@ -632,7 +637,7 @@ class Listener:
 
     # --- arrival (the receive path) -------------------------------------------
 
-    def audio(self, ctx: SessionContext, data: bytes) -> None:
+    def audio(self, ctx: SessionContext, data: bytes, event_id: str | None = None) -> None:
         """Raw audio from the client, in the format the session has now.
 
         Raises:
@@ -646,7 +651,7 @@ class Listener:
                 param="audio",
             )
         ls = ctx.listening
-        ls.inbox.append(AudioBytes(ctx.session.scope, data, fmt))
+        ls.inbox.append(AudioBytes(ctx.session.scope, data, fmt, event_id=event_id))
         ls.inbox_bytes += len(data)
         self.slot.clock.wake(self.slot)
 
@@ -670,20 +675,25 @@ class Listener:
         samples = got.samples
         room = self.max_input_samples - ls.buffer.samples
         if len(samples) > room:
-            # Keep what fits; refuse the rest.
+            # Keep what fits; refuse the rest, telling the client once (not once per slice of a large append)
+            # until the buffer has room again.
             if room > 0:
                 ls.buffer.append(samples[:room])
                 ls.clock += room
-            self._error(
-                ctx,
-                ProtocolError(
-                    "input_audio_buffer_full",
-                    f"The input audio buffer holds at most {self.max_input_samples // PIPELINE_RATE} s;"
-                    " commit or clear it before appending more",
-                    param="audio",
-                ),
-            )
+            if not ls.buffer_full:
+                ls.buffer_full = True
+                self._error(
+                    ctx,
+                    ProtocolError(
+                        "input_audio_buffer_full",
+                        f"The input audio buffer holds at most {self.max_input_samples // PIPELINE_RATE} s;"
+                        " commit or clear it before appending more (audio past that was dropped)",
+                        param="audio",
+                        event_id=ls.heard_event_id,
+                    ),
+                )
             return
+        ls.buffer_full = False
         ls.buffer.append(samples)
         detector = ls.detector
         if detector is None:

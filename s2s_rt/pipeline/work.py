@@ -55,6 +55,8 @@ class AudioBytes:
     data: bytes | memoryview
     format: AudioFormat
     received: float = field(default_factory=time.monotonic)
+    #: The append's ``event_id``, for an error about it.
+    event_id: str | None = None
 
     def seconds(self) -> float:
         return len(self.data) / (self.format.rate * self.format.bytes_per_sample)
@@ -65,8 +67,8 @@ class AudioBytes:
         cut = max(step, int(seconds * self.format.rate) * step)
         view = memoryview(self.data)
         return (
-            AudioBytes(self.scope, view[:cut], self.format, self.received),
-            AudioBytes(self.scope, view[cut:], self.format, self.received),
+            AudioBytes(self.scope, view[:cut], self.format, self.received, self.event_id),
+            AudioBytes(self.scope, view[cut:], self.format, self.received, self.event_id),
         )
 
 

@@ -100,9 +100,15 @@ class Session:
         return self.config.kind == "transcription"
 
     def _session_event(self, ga_name: str) -> se.ServerEvent:
+        # Beta names a transcription session's updates ``transcription_session.updated``; it has no
+        # ``transcription_session.created`` (the SDK's beta types reject one): a session starts as any other.
+        session = self.render()
         if self.transcription_only and self.dialect.beta:
-            ga_name = ga_name.replace("session.", "transcription_session.")
-        return self._ev(se.SessionEvent, ga_name, session=self.render())
+            if ga_name == "session.updated":
+                ga_name = "transcription_session.updated"
+            else:
+                session.pop("client_secret", None)  # a transcription session's field, not a session's
+        return self._ev(se.SessionEvent, ga_name, session=session)
 
     def created_events(self) -> list[se.ServerEvent]:
         """``session.created`` and ``conversation.created``, sent on connect."""
