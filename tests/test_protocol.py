@@ -6,6 +6,7 @@ import json
 
 import msgspec
 import pytest
+from conftest import RealtimeClient, live_server, run
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -261,3 +262,20 @@ def test_function_call_output_with_unknown_call_id_is_an_error() -> None:
             )
         )  # type: ignore[arg-type]
     assert info.value.code == "unknown_call_id"
+
+
+def test_beta_sessions_name_a_model_the_beta_types_accept_echoing_a_known_one() -> None:
+    """Strict validators of the beta session type reject any model name but OpenAI's."""
+    from openai.types.beta.realtime.session import Session as BetaSession
+
+    async def scenario() -> None:
+        async with live_server() as server:
+            for asked, expect in (("gpt-4o-realtime-preview", "gpt-4o-realtime-preview"), ("s2s-rt", "gpt-realtime")):
+                async with RealtimeClient.connect(server, beta=True, path=f"/v1/realtime?model={asked}") as c:
+                    created = await c.until("session.created")
+                    assert created["session"]["model"] == expect
+                    BetaSession.model_validate(created["session"], strict=True)
+            async with RealtimeClient.connect(server, path="/v1/realtime?model=my-model") as c:
+                assert (await c.until("session.created"))["session"]["model"] == "my-model"
+
+    run(scenario())

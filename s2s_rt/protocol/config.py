@@ -225,6 +225,19 @@ def check_tool_choice(choice: Any, tools: list[dict[str, Any]], fail: Callable[[
     raise fail("invalid_value", "tool_choice must be auto, none, required or {type: function, name}", "tool_choice")
 
 
+#: The model names the beta session type allows (the first stands for ours when the client asked for none of them).
+BETA_MODELS = (
+    "gpt-realtime",
+    "gpt-realtime-2025-08-28",
+    "gpt-4o-realtime-preview",
+    "gpt-4o-realtime-preview-2024-10-01",
+    "gpt-4o-realtime-preview-2024-12-17",
+    "gpt-4o-realtime-preview-2025-06-03",
+    "gpt-4o-mini-realtime-preview",
+    "gpt-4o-mini-realtime-preview-2024-12-17",
+)
+
+
 def render(cfg: SessionConfig, dialect: Dialect, session_id: str) -> dict[str, Any]:
     """The session object as the client's dialect shapes it."""
     td: dict[str, Any] | None = None
@@ -258,6 +271,8 @@ def render(cfg: SessionConfig, dialect: Dialect, session_id: str) -> dict[str, A
     if cfg.kind == "transcription":
         return render_transcription(cfg, dialect, session_id, tr, td)
     if dialect.beta:
+        # The beta types know only OpenAI's model names: a strict client rejects any other.
+        common["model"] = cfg.model if cfg.model in BETA_MODELS else BETA_MODELS[0]
         return common | {
             "temperature": cfg.temperature,
             "modalities": _beta_modalities(cfg.output_modalities),

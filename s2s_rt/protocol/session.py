@@ -60,11 +60,14 @@ class Session:
         *,
         max_conversation_bytes: int = 16 << 20,
         transcription_only: bool = False,
+        model: str | None = None,
     ) -> None:
         self.dialect = dialect
         self.voices = list(voices) or ["default"]
         self.id = new_id("sess")
         self.config = SessionConfig(voice=self.voices[0])
+        if model:
+            self.config.model = model  # echoed as the client asked (beta: when its types know the name)
         if transcription_only:
             self.config.kind = "transcription"
             self.config.transcription = Transcription()
