@@ -144,7 +144,14 @@ class StagePool:
 
         future.add_done_callback(returned)
 
-    async def call(self, fn: Callable[..., T], *args: Any, deadline_s: float | None = None, **kwargs: Any) -> T:
+    async def call(
+        self,
+        fn: Callable[..., T],
+        *args: Any,
+        deadline_s: float | None = None,
+        gate: OneAtATime | None = None,
+        **kwargs: Any,
+    ) -> T:
         """Run ``fn(*args, **kwargs)`` in this pool and await its result.
 
         If the caller is cancelled, a call still waiting for a thread is
@@ -156,7 +163,11 @@ class StagePool:
         """
         started = time.perf_counter()
         deadline = deadline_s or self.deadline_s
+        if gate is not None:
+            await gate.enter()
         future = self.executor.submit(self._counted, fn, *args, **kwargs)
+        if gate is not None:
+            gate.leave_when_done(future)
         try:
             async with asyncio.timeout(deadline):
                 return await asyncio.wrap_future(future)
@@ -171,7 +182,9 @@ class StagePool:
         finally:
             self.metrics.stage_latency.observe(time.perf_counter() - started, stage=self.stage)
 
-    async def stream(self, make: Callable[[], Iterator[T]], deadline_s: float | None = None) -> AsyncIterator[T]:
+    async def stream(
+        self, make: Callable[[], Iterator[T]], deadline_s: float | None = None, gate: OneAtATime | None = None
+    ) -> AsyncIterator[T]:
         """Iterate a blocking generator in this pool, yielding its pieces here.
 
         The generator runs in one worker thread and hands each piece to the
@@ -199,7 +212,11 @@ class StagePool:
                 loop.call_soon_threadsafe(pieces.put_nowait, _DONE)
 
         started = time.perf_counter()
+        if gate is not None:
+            await gate.enter()
         future = self.executor.submit(self._counted, produce)
+        if gate is not None:
+            gate.leave_when_done(future)
         finished = timed_out = False
         try:
             while True:
@@ -229,3 +246,33 @@ class StagePool:
 class _Failure:
     def __init__(self, exc: BaseException) -> None:
         self.exc = exc
+
+
+class OneAtATime:
+    """One owner's engine calls of one kind: the next starts only once the last has really ended.
+
+    A call its caller gave up on (a cancelled answer) goes on in its thread
+    until the engine returns, and an engine that runs one call at a time
+    (CTranslate2's LLM) takes calls in order: a session that asked and
+    cancelled again and again would queue call after call ahead of every
+    other session's. With a gate per session, each holds at most one.
+    """
+
+    def __init__(self) -> None:
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    async def enter(self) -> None:
+        while not self._idle.is_set():
+            await self._idle.wait()
+        self._idle.clear()
+
+    def leave_when_done(self, future: concurrent.futures.Future[Any]) -> None:
+        """Open the gate when ``future`` is done (run, failed or cancelled before it started)."""
+        loop = asyncio.get_running_loop()
+
+        def done(_: concurrent.futures.Future[Any]) -> None:
+            if not loop.is_closed():  # a call that outlived the server
+                loop.call_soon_threadsafe(self._idle.set)
+
+        future.add_done_callback(done)

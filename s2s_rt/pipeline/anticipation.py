@@ -112,7 +112,9 @@ class Anticipation:
             # Urgent until its first clause is cut (or, unspoken, its first words are out).
             options["urgent"] = lambda: (self.first_clause is None) if splitter is not None else not self.pieces
         try:
-            async for piece in slot.pools["llm"].stream(functools.partial(llm.stream, messages, **options)):
+            async for piece in slot.pools["llm"].stream(
+                functools.partial(llm.stream, messages, **options), gate=slot.llm_gate
+            ):
                 self.pieces.append(piece)
                 self._changed.set()
                 if splitter is not None and self.first_audio is None:
