@@ -14,6 +14,10 @@ event loop. ``websockets`` parses everything one socket read brings at once:
 a read is up to 256 KiB, some 37,000 one-byte frames of a flooding client,
 about 0.3–0.4 s of parsing and refusing in one go, during which no other
 session's turn moved (measured: turns stalled for seconds, loop lag 0.5 s).
+And while the handler refuses a connection's events (see :meth:`refusing`),
+its next frames wait a little: refusing must cost less than the abuse, and
+a loop kept busy by one flood (even in small turns) starves the engines'
+threads of the GIL, so the other sessions' turns still took several times longer.
 """
 
 from __future__ import annotations
@@ -35,6 +39,9 @@ FRAMES_PER_TURN = 64
 #: Bytes handed to the parser at once: a slice holds at most ~170 frames (6 bytes the smallest client frame),
 #: and a large message costs only a few thousand cheap slices per megabyte.
 SLICE_BYTES = 1024
+#: After a turn in which events were refused, the connection's next frames wait this long: a flood
+#: is then parsed at most FRAMES_PER_TURN / REFUSING_PAUSE_S frames a second (~3,200, a few % of a core).
+REFUSING_PAUSE_S = 0.02
 
 
 class DirectConnection(ServerConnection):
@@ -54,11 +61,13 @@ class DirectConnection(ServerConnection):
         self.busy = False
         #: Frames parsed in the current feed (counted by process_event).
         self._parsed = 0
+        #: Whether an event was refused since the last parse was scheduled (see :meth:`refusing`).
+        self._refusing = False
         #: Bytes read but not yet parsed, from offset ``_at``; None when there are none.
         self._rest: bytes | None = None
         self._at = 0
         #: The scheduled parse of ``_rest`` on the loop's next turn.
-        self._later: asyncio.Handle | None = None
+        self._later: asyncio.Handle | asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -74,6 +83,10 @@ class DirectConnection(ServerConnection):
             yield
         finally:
             self.busy = False
+
+    def refusing(self) -> None:
+        """Called when an event of this connection was refused (rate limit): its next frames wait a while."""
+        self._refusing = True
 
     def data_received(self, data: bytes) -> None:
         if self._rest is not None:
@@ -103,17 +116,26 @@ class DirectConnection(ServerConnection):
             # its sending slows down, at no cost to the loop.
             self.transport.pause_reading()
             if not queue.paused:  # a full queue restarts the parsing itself when recv() drains it
-                self._later = asyncio.get_running_loop().call_soon(self._feed)
+                self._feed_later()
             return
         self._rest = None
         if not queue.paused:
             self.transport.resume_reading()
 
+    def _feed_later(self) -> None:
+        """Parse the rest on the loop's next turn, or after REFUSING_PAUSE_S if events were refused meanwhile."""
+        loop = asyncio.get_running_loop()
+        if self._refusing:
+            self._refusing = False
+            self._later = loop.call_later(REFUSING_PAUSE_S, self._feed)
+        else:
+            self._later = loop.call_soon(self._feed)
+
     def _queue_has_room(self) -> None:
         if self._rest is None:
             self.transport.resume_reading()
         elif self._later is None:
-            self._later = asyncio.get_running_loop().call_soon(self._feed)
+            self._feed_later()
 
     def eof_received(self) -> None:
         # Reading is paused while bytes wait, so this should not happen then; if it does, they come first.

@@ -406,6 +406,7 @@ class Server:
                 self.stack.tts.voices,
                 max_conversation_bytes=_mib(cfg.max_conversation_mib),
                 transcription_only=_wants_transcription(ws.request),
+                model=_asked_model(ws.request),
             )
             self.metrics.sessions_total.inc()
             await slot.attach(ws, session, client)
@@ -501,12 +502,17 @@ class Server:
 
         def direct(data: bytes | bytearray | memoryview) -> bool:
             # An append is handled as its frame is parsed: no task wakes per message.
-            if refusals.unreported:
-                return False  # a notice is owed first: the usual way sends it
             now = loop.time()
             activity.last = now
             if not budget.take(now):
-                return False
+                # Refused as it is parsed, undecoded: a flood's frames cost a count each, not a
+                # trip through the queue and recv(), and the connection's next frames are read
+                # later (see DirectConnection.refusing). The usual way sends the notice and closes.
+                ws.refusing()
+                return refusals.refuse_quietly(now, cfg.flood_close_s)
+            if refusals.unreported:
+                budget.give_back()
+                return False  # a notice is owed first: the usual way sends it
             # Not UTF-8 is not valid JSON either: declined, and the usual way closes with 1007.
             if not slot.dispatch.receive_now(data):
                 budget.give_back()
@@ -521,6 +527,8 @@ class Server:
                 with ws.handling():
                     if await self._one_message(slot, message, loop.time(), activity, budget, refusals):
                         return "flood"
+                    if refusals.unreported:
+                        ws.refusing()  # refused the usual way: the connection's next frames wait too
         finally:
             ws.direct = None
             # The watchdog is owned here: it ends with the connection, and is waited for.
@@ -804,6 +812,14 @@ def _wants_beta(request: Request | None) -> bool:
     return BETA_SUBPROTOCOL in [p.strip() for p in offered.split(",")]
 
 
+def _asked_model(request: Request | None) -> str | None:
+    """The ``?model=`` a client connected with (None: none)."""
+    if request is None or "?" not in request.path:
+        return None
+    asked = urllib.parse.parse_qs(request.path.split("?", 1)[1]).get("model")
+    return asked[0] if asked else None
+
+
 def _wants_transcription(request: Request | None) -> bool:
     """``?intent=transcription`` on the URL: a transcription session (as OpenAI's)."""
     if request is None or "?" not in request.path:
@@ -851,6 +867,18 @@ class Refusals:
             n, self.unreported, self.last_notice = self.unreported, 0, now
             return n
         return 0
+
+    def refuse_quietly(self, now: float, close_after_s: float) -> bool:
+        """Count a refusal that needs nothing said or done now; False (not counted) if a notice or the close is due."""
+        if self.last_notice is None or now - self.last_notice >= 1.0:
+            return False
+        if self.flood_since is not None and now - self.flood_since >= close_after_s:
+            return False
+        self.unreported += 1
+        self.last_refusal = now
+        if self.flood_since is None:
+            self.flood_since = now
+        return True
 
     def accepted(self, now: float) -> int:
         """Count an accepted event; returns refusals not yet reported that are due now (else 0)."""

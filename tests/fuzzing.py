@@ -78,6 +78,7 @@ AVOIDABLE = frozenset(
         "stop_reading",  # clients that stop reading for a while
         "abort",  # connections dropped without a closing handshake
         "engine_faults",  # injected engine failures
+        "long_prompts",  # instructions of thousands of characters
     }
 )
 #: The shape of an id the server makes (``new_id``): no two sessions can hold the same one.
@@ -717,7 +718,8 @@ class Hostile:
                 kinds.remove("transcription")
             session["type"] = rng.choice(kinds)
         if rng.random() < 0.3:
-            session["instructions"] = rng.choice(["Be brief.", f"Be {FLAKY}.", "", "x" * 2000])
+            long = [] if "long_prompts" in self.avoid else ["x" * 2000]
+            session["instructions"] = rng.choice(["Be brief.", f"Be {FLAKY}.", "", *long])
         transcription: Any = ...
         if rng.random() < 0.3:
             transcription = rng.choice(
