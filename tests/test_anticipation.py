@@ -100,3 +100,43 @@ def test_an_answer_begun_before_the_instructions_changed_is_not_used() -> None:
     heard = next(e for e in events if e["type"] == "conversation.item.input_audio_transcription.completed")
     assert (used, unused) == (0, 1)  # it asked the model something else: answered afresh
     assert _said(events) == f"You said: {heard['transcript']}."
+
+
+class _FirstCallFails:
+    """The fake voice, failing its first synthesis: the first clause spoken ahead of the turn's end."""
+
+    def __init__(self, tts: Any) -> None:
+        self._tts = tts
+        self.calls = 0
+        self.sample_rate = tts.sample_rate
+        self.voices = tts.voices
+
+    def synthesize(self, text: str, **kw: Any) -> Any:
+        self.calls += 1
+        if self.calls == 1:
+            raise RuntimeError("the first clause's speech failed")
+        return self._tts.synthesize(text, **kw)
+
+
+def test_a_first_clause_whose_speech_fails_ahead_is_spoken_again_and_the_session_goes_on() -> None:
+    """A failure of the speech made ahead used to raise in the slot's task group: every stage restarted, 1011."""
+    import dataclasses
+
+    from s2s_rt.engines.fake import load_fake_stack
+
+    fake = load_fake_stack()
+    tts = _FirstCallFails(fake.tts)
+    stack = dataclasses.replace(fake, tts=tts)
+
+    async def scenario() -> None:
+        async with Server(_config(), stack=stack) as server:
+            async with RealtimeClient.connect(server) as c:
+                await _talk(c, silence(0.3), tone(440, 0.6), silence(0.8))
+                done = await c.until("response.done", timeout=15)
+                assert done["response"]["status"] == "completed"
+                assert _said(c.events).startswith("You said:")
+                assert _metric(server, 's2s_speculative_responses_total{outcome="used"}') == 1
+                assert (await c.say_text("still here"))["response"]["status"] == "completed"
+        assert tts.calls >= 2  # the failed clause was synthesised again
+
+    run(scenario())
