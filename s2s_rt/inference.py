@@ -124,7 +124,9 @@ class StagePool:
         # _max_workers; raising it is the only way to add room for stuck threads.
         self.executor._max_workers = self.workers + self.overdue
 
-    def _release_thread(self, future: concurrent.futures.Future[Any], *, timed_out: bool) -> None:
+    def _release_thread(
+        self, future: concurrent.futures.Future[Any], *, timed_out: bool, gate: OneAtATime | None = None
+    ) -> None:
         """The caller gave up on a call that is already running: its thread no longer counts.
 
         The thread cannot be stopped, so the pool gets one extra thread until
@@ -143,6 +145,8 @@ class StagePool:
                 self._set_capacity()
 
         future.add_done_callback(returned)
+        if gate is not None:
+            gate.abandoned(future)
 
     async def call(
         self,
@@ -166,18 +170,16 @@ class StagePool:
         if gate is not None:
             await gate.enter()
         future = self.executor.submit(self._counted, fn, *args, **kwargs)
-        if gate is not None:
-            gate.leave_when_done(future)
         try:
             async with asyncio.timeout(deadline):
                 return await asyncio.wrap_future(future)
         except TimeoutError:
             if not future.cancel():  # not started yet: cancelled, no thread held
-                self._release_thread(future, timed_out=True)
+                self._release_thread(future, timed_out=True, gate=gate)
             raise EngineTimeout(f"{self.stage} call exceeded {deadline:g} s") from None
         except asyncio.CancelledError:
             if not future.cancel():
-                self._release_thread(future, timed_out=False)
+                self._release_thread(future, timed_out=False, gate=gate)
             raise
         finally:
             self.metrics.stage_latency.observe(time.perf_counter() - started, stage=self.stage)
@@ -215,8 +217,6 @@ class StagePool:
         if gate is not None:
             await gate.enter()
         future = self.executor.submit(self._counted, produce)
-        if gate is not None:
-            gate.leave_when_done(future)
         finished = timed_out = False
         try:
             while True:
@@ -236,7 +236,7 @@ class StagePool:
         finally:
             closed.set()
             if not finished and not future.cancel() and not future.done():
-                self._release_thread(future, timed_out=timed_out)
+                self._release_thread(future, timed_out=timed_out, gate=gate)
             self.metrics.stage_latency.observe(time.perf_counter() - started, stage=self.stage)
 
     def shutdown(self) -> None:
@@ -249,13 +249,15 @@ class _Failure:
 
 
 class OneAtATime:
-    """One owner's engine calls of one kind: the next starts only once the last has really ended.
+    """One owner's abandoned engine calls: a new call waits until the one given up on has really ended.
 
     A call its caller gave up on (a cancelled answer) goes on in its thread
     until the engine returns, and an engine that runs one call at a time
     (CTranslate2's LLM) takes calls in order: a session that asked and
     cancelled again and again would queue call after call ahead of every
-    other session's. With a gate per session, each holds at most one.
+    other session's. With a gate per session, each has at most one such
+    call in the engine. Calls that are still wanted do not wait for each
+    other (an answer begun ahead and the reading of the conversation so far).
     """
 
     def __init__(self) -> None:
@@ -263,12 +265,12 @@ class OneAtATime:
         self._idle.set()
 
     async def enter(self) -> None:
-        while not self._idle.is_set():
-            await self._idle.wait()
-        self._idle.clear()
+        """Wait until no call this owner gave up on is still running."""
+        await self._idle.wait()
 
-    def leave_when_done(self, future: concurrent.futures.Future[Any]) -> None:
-        """Open the gate when ``future`` is done (run, failed or cancelled before it started)."""
+    def abandoned(self, future: concurrent.futures.Future[Any]) -> None:
+        """``future``'s caller gave up on it while it runs: close the gate until it is done."""
+        self._idle.clear()
         loop = asyncio.get_running_loop()
 
         def done(_: concurrent.futures.Future[Any]) -> None:

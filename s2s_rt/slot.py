@@ -41,7 +41,7 @@ from websockets.exceptions import ConnectionClosed
 
 from s2s_rt.budget import ByteBudget
 from s2s_rt.engines.base import Stack
-from s2s_rt.inference import OneAtATime, StagePool
+from s2s_rt.inference import StagePool
 from s2s_rt.memory import release_freed_memory
 from s2s_rt.metrics import Metrics
 from s2s_rt.pipeline.context import SessionContext
@@ -146,8 +146,6 @@ class Slot:
         self.listener = Listener(self, ms_to_samples(max_input_buffer_s * 1000), speculate_after_ms, semantic)
         self.responder = Responder(self)
         self._stages: tuple[Transcriber, Responder, Speaker] = (Transcriber(self), self.responder, Speaker(self))
-        #: The session's LLM calls, one at a time (a cancelled one still holds the engine until it returns).
-        self.llm_gate = OneAtATime()
         #: Owns the slot's own short tasks (closing a failed session's socket); never closed.
         self.scope = Scope(f"slot {index}")
         self._drained = asyncio.Event()

@@ -279,3 +279,42 @@ def test_a_client_that_floods_without_reading_and_leaves_gives_its_slot_back() -
             await still_serving(server)
 
     run(scenario())
+
+
+def test_a_session_that_gives_up_on_llm_calls_again_and_again_holds_at_most_one_in_the_engine() -> None:
+    """A cancelled call goes on in its thread; an engine that runs one call at a time would queue them all."""
+    import threading
+
+    from s2s_rt.inference import OneAtATime, StagePool
+    from s2s_rt.metrics import Metrics
+
+    async def scenario() -> None:
+        pool = StagePool("llm", 4, Metrics(dict, lambda: 0))
+        release = threading.Event()
+        started: list[int] = []
+
+        def uninterruptible(n: int) -> int:
+            started.append(n)
+            release.wait(5)  # a long reading of a prompt: nothing stops it
+            return n
+
+        mine, theirs = OneAtATime(), OneAtATime()
+        first = asyncio.ensure_future(pool.call(uninterruptible, 1, gate=mine))
+        await eventually_true(lambda: started == [1])
+        first.cancel()  # the session cancels its answer: the call goes on in its thread
+        second = asyncio.ensure_future(pool.call(uninterruptible, 2, gate=mine))
+        other = asyncio.ensure_future(pool.call(uninterruptible, 3, gate=theirs))
+        await eventually_true(lambda: 3 in started)
+        assert 2 not in started  # it waits for its own abandoned call, and only it does
+        release.set()
+        assert await second == 2 and await other == 3
+        pool.shutdown()
+
+    run(scenario())
+
+
+async def eventually_true(check: Any, timeout: float = 5.0) -> None:
+    async def ok() -> bool:
+        return bool(check())
+
+    assert await eventually(ok, timeout=timeout)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from s2s_rt.engines.base import AsyncLLM, ChatMessage, Float32Array, LLMUsage
+from s2s_rt.inference import OneAtATime
 from s2s_rt.scope import Scope
 
 if TYPE_CHECKING:
@@ -70,9 +71,11 @@ class Anticipation:
         scope: its cancellation scope (a child of the session's).
     """
 
-    def __init__(self, key: AnswerKey, scope: Scope) -> None:
+    def __init__(self, key: AnswerKey, scope: Scope, gate: OneAtATime | None = None) -> None:
         self.key = key
         self.scope = scope
+        #: The session's gate for LLM calls it gave up on (see :class:`~s2s_rt.inference.OneAtATime`).
+        self.gate = gate
         self.usage = LLMUsage()
         self.pieces: list[str] = []
         self.done = False
@@ -113,7 +116,7 @@ class Anticipation:
             options["urgent"] = lambda: (self.first_clause is None) if splitter is not None else not self.pieces
         try:
             async for piece in slot.pools["llm"].stream(
-                functools.partial(llm.stream, messages, **options), gate=slot.llm_gate
+                functools.partial(llm.stream, messages, **options), gate=self.gate
             ):
                 self.pieces.append(piece)
                 self._changed.set()

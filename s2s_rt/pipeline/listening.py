@@ -978,7 +978,7 @@ class Listener:
         context = [ChatMessage("assistant", answer.content[-JUDGED_ANSWER_CHARS:])] if answer else []
         judged = [ChatMessage("system", JUDGE_SYSTEM), *context, ChatMessage("user", text)]
         try:
-            speculation.finished = await self.slot.pools["llm"].call(judge, judged, gate=self.slot.llm_gate)
+            speculation.finished = await self.slot.pools["llm"].call(judge, judged)
             log.debug("slot %d: %r sounds finished with probability %.4g", self.slot.index, text, speculation.finished)
         except Exception as exc:
             log.warning("slot %d: judging the end of the turn failed: %r", self.slot.index, exc)

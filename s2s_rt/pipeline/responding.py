@@ -108,7 +108,7 @@ class Responder:
                     pieces = contextlib.aclosing(_timed(llm.astream(messages, **options), slot.metrics))
                 else:
                     pieces = contextlib.nullcontext(
-                        slot.pools["llm"].stream(functools.partial(llm.stream, messages, **options), gate=slot.llm_gate)
+                        slot.pools["llm"].stream(functools.partial(llm.stream, messages, **options), gate=ctx.llm_gate)
                     )
                 async with pieces as stream:
                     async for piece in stream:
@@ -197,7 +197,7 @@ class Responder:
         # As the next answer will see it, up to its user turn.
         messages = with_answer_context(messages, language=ctx.language, tools=bool(tools))
         try:
-            held = await pool.call(slot.stack.llm.prime, messages, tools, gate=slot.llm_gate)  # type: ignore[attr-defined]
+            held = await pool.call(slot.stack.llm.prime, messages, tools, gate=ctx.llm_gate)  # type: ignore[attr-defined]
         except Exception as exc:  # the next answer reads everything, as without it
             log.warning("slot %d: reading the conversation ahead failed: %r", slot.index, exc)
             slot.metrics.primes.inc(outcome="failed")
