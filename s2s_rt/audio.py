@@ -68,7 +68,7 @@ class AudioFormat:
     def beta_name(self) -> str:
         return GA_TO_BETA[self.type]
 
-    def decode(self, data: bytes) -> Float32Array:
+    def decode(self, data: bytes | memoryview) -> Float32Array:
         """Wire bytes → float32 samples at ``self.rate``.
 
         Raises:
@@ -92,7 +92,7 @@ class AudioFormat:
         return _alaw_encode(pcm).tobytes()
 
 
-def pcm16_to_float(data: bytes) -> Float32Array:
+def pcm16_to_float(data: bytes | memoryview) -> Float32Array:
     return np.frombuffer(data, dtype="<i2").astype(np.float32) / 32768.0
 
 

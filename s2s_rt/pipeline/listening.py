@@ -238,7 +238,7 @@ def hear(vad: VAD, work: Sequence[tuple[ListeningState, list[AudioBytes], bool]]
     samples: list[Float32Array] = [_NOTHING] * len(work)
     # 1. Decode and resample, a group of one format and byte length at a time.
     same: dict[tuple[AudioFormat, int], list[int]] = {}
-    data: list[bytes] = [b""] * len(work)
+    data: list[bytes | memoryview] = [b""] * len(work)
     for i, (ls, segments, _) in enumerate(work):
         fmt = ls.format
         if all(seg.format is fmt or seg.format == fmt for seg in segments):
