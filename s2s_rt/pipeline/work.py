@@ -62,13 +62,17 @@ class AudioBytes:
         return len(self.data) / (self.format.rate * self.format.bytes_per_sample)
 
     def split(self, seconds: float) -> tuple[AudioBytes, AudioBytes]:
-        """The first ``seconds`` (whole samples, at least one) and the rest, both views of the same bytes."""
+        """The first ``seconds`` (whole samples, at least one) and the rest, both views of the same bytes.
+
+        The rest counts as received now: that it waits is the slicing's doing, not lateness of the clock
+        (an upload's last slice must not read as audio kept waiting since the append arrived).
+        """
         step = self.format.bytes_per_sample
         cut = max(step, int(seconds * self.format.rate) * step)
         view = memoryview(self.data)
         return (
             AudioBytes(self.scope, view[:cut], self.format, self.received, self.event_id),
-            AudioBytes(self.scope, view[cut:], self.format, self.received, self.event_id),
+            AudioBytes(self.scope, view[cut:], self.format, time.monotonic(), self.event_id),
         )
 
 
