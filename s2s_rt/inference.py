@@ -3,7 +3,7 @@
 Each stage kind (VAD, STT, LLM, TTS) has its own bounded thread pool, shared
 by every slot: a long LLM stream can then never hold up another session's
 VAD decision (the listening clock scores all sessions' audio in one call
-per tick: :mod:`s2s_rt.pipeline.listening`).
+per tick: :mod:`s2s_rt.listening.clock`).
 
 Listening comes first on a busy machine: the STT, LLM and TTS threads (the
 pools' and the engines' own) run nicer than the event loop and the VAD, so
@@ -27,7 +27,7 @@ from s2s_rt.metrics import Metrics
 
 T = TypeVar("T")
 
-log = logging.getLogger("s2s_rt.inference")
+log = logging.getLogger(__name__)
 
 _DONE = object()
 

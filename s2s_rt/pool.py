@@ -8,7 +8,7 @@ from typing import Any
 
 from websockets.protocol import State
 
-from s2s_rt.slot import Slot, SlotState
+from s2s_rt.slot import Slot, SlotEvent, SlotState
 
 
 class Pool:
@@ -29,7 +29,7 @@ class Pool:
         """
         for slot in self.slots:
             if slot.state is SlotState.IDLE:
-                slot.transition(SlotState.ACTIVE)
+                slot.step(SlotEvent.CLAIM)
                 return slot
         return None
 

@@ -38,8 +38,8 @@ from s2s_rt.config import Config
 from s2s_rt.connection import DirectConnection
 from s2s_rt.engines.base import Stack
 from s2s_rt.inference import StagePool
+from s2s_rt.listening.clock import ListeningClock
 from s2s_rt.metrics import Metrics
-from s2s_rt.pipeline.listening import ListeningClock
 from s2s_rt.pipeline.outbox import close_quickly
 from s2s_rt.pool import Pool
 from s2s_rt.protocol.errors import ProtocolError
@@ -761,7 +761,7 @@ class Server:
             ctx = slot.ctx
             if ctx is not None:
                 held["conversation"] += ctx.session.conversation.bytes
-                held["resampler_cache"] += ctx.listening.resampler.cache_bytes
+                held["resampler_cache"] += ctx.audio.resampler.cache_bytes
         return held
 
     def _overdue_calls(self) -> int:

@@ -6,19 +6,25 @@ A slot wires five stages with bounded queues and supervises them::
                                                                                   │
                                client ◄── send loop ◄── outbox ◄── speaking ◄── tts_q
 
-Listening runs on the process's one :class:`~s2s_rt.pipeline.listening.ListeningClock`,
+Listening runs on the process's one :class:`~s2s_rt.listening.clock.ListeningClock`,
 which hears every session's audio in batches; the other stages
 (:mod:`s2s_rt.pipeline`) run in one ``asyncio.TaskGroup`` per slot for the
 life of the server. A stage reads only its slot's queue, and only the send
 loop writes to the socket of the session the slot serves now. Work carries
 its scope (:mod:`s2s_rt.scope`); every stage and the send loop drop stale work.
 
-The slot's lifecycle is one table (:data:`TRANSITIONS`)::
+The slot's lifecycle is one table (:data:`TRANSITIONS`), moved only by
+:meth:`Slot.step` with the event that happened::
 
-    IDLE ──claim──► ACTIVE ──session ends──► DRAINING ──SessionEnd reaches send──► IDLE
-      │                                          │
-      │                                          └──drain deadline passes──► QUARANTINED
-      └──stages crash 5× in a minute──► QUARANTINED ──stuck work ends / cool-down over──► IDLE
+    IDLE ──claim──► ACTIVE ──end──► DRAINING ──drained──► IDLE
+      │                                │
+      │                                ├──drain_late──► QUARANTINED ──drained (stuck work ended)──► IDLE
+      │                                └──crashed_out─► QUARANTINED ──rested (cool-down over)─────► IDLE
+      └──crashed_out (stages crashed 5× in a minute)──► QUARANTINED
+
+The stages are built here, each with the slot's
+:class:`~s2s_rt.pipeline.stage.StageContext`, its queues, and callbacks to
+its neighbours; they never see the slot.
 
 Teardown is three phases: (1) close the session's scope (cancelling the
 work in flight) and flush the queues; (2) put the session's ``SessionEnd``
@@ -34,7 +40,7 @@ import asyncio
 import enum
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from websockets.exceptions import ConnectionClosed
@@ -42,14 +48,17 @@ from websockets.exceptions import ConnectionClosed
 from s2s_rt.budget import ByteBudget
 from s2s_rt.engines.base import Stack
 from s2s_rt.inference import StagePool
+from s2s_rt.lifecycle import Lifecycle
+from s2s_rt.listening.clock import ListeningClock
 from s2s_rt.memory import release_freed_memory
 from s2s_rt.metrics import Metrics
 from s2s_rt.pipeline.context import SessionContext
 from s2s_rt.pipeline.dispatch import Dispatcher
-from s2s_rt.pipeline.listening import Listener, ListeningClock
+from s2s_rt.pipeline.listener import Listener
 from s2s_rt.pipeline.outbox import Outbox, close_quickly
 from s2s_rt.pipeline.responding import Responder
 from s2s_rt.pipeline.speaking import Speaker
+from s2s_rt.pipeline.stage import StageContext
 from s2s_rt.pipeline.transcribing import Transcriber
 from s2s_rt.pipeline.work import CloseRequest, SessionEnd, ms_to_samples
 from s2s_rt.protocol.errors import ProtocolError
@@ -61,7 +70,7 @@ from s2s_rt.turn import SemanticTurnEnd
 if TYPE_CHECKING:
     from websockets.asyncio.server import ServerConnection
 
-log = logging.getLogger("s2s_rt.slot")
+log = logging.getLogger(__name__)
 
 
 class SlotState(enum.Enum):
@@ -71,12 +80,36 @@ class SlotState(enum.Enum):
     QUARANTINED = "quarantined"
 
 
-TRANSITIONS: dict[SlotState, frozenset[SlotState]] = {
-    SlotState.IDLE: frozenset({SlotState.ACTIVE, SlotState.QUARANTINED}),
-    SlotState.ACTIVE: frozenset({SlotState.DRAINING}),
-    SlotState.DRAINING: frozenset({SlotState.IDLE, SlotState.QUARANTINED}),
-    SlotState.QUARANTINED: frozenset({SlotState.IDLE}),
+class SlotEvent(enum.Enum):
+    #: A session claimed the slot.
+    CLAIM = "claim"
+    #: The session ended (the client left, or the server ended it): teardown begins.
+    END = "end"
+    #: The session's ``SessionEnd`` reached the send loop: nothing of it is left.
+    DRAINED = "drained"
+    #: The drain deadline passed first.
+    DRAIN_LATE = "drain_late"
+    #: Its stages crashed :data:`CRASH_LIMIT` times within a minute: it rests (when it holds no session).
+    CRASHED_OUT = "crashed_out"
+    #: The rest after crashing out is over.
+    RESTED = "rested"
+
+
+#: The slot's lifecycle: every allowed (state, event) and where it leads. Anything else is a bug.
+TRANSITIONS: dict[tuple[SlotState, SlotEvent], SlotState] = {
+    (SlotState.IDLE, SlotEvent.CLAIM): SlotState.ACTIVE,
+    (SlotState.IDLE, SlotEvent.CRASHED_OUT): SlotState.QUARANTINED,
+    (SlotState.ACTIVE, SlotEvent.END): SlotState.DRAINING,
+    (SlotState.DRAINING, SlotEvent.DRAINED): SlotState.IDLE,
+    (SlotState.DRAINING, SlotEvent.DRAIN_LATE): SlotState.QUARANTINED,
+    (SlotState.DRAINING, SlotEvent.CRASHED_OUT): SlotState.QUARANTINED,
+    # A late drain finished after all: the stuck work has ended.
+    (SlotState.QUARANTINED, SlotEvent.DRAINED): SlotState.IDLE,
+    (SlotState.QUARANTINED, SlotEvent.CRASHED_OUT): SlotState.QUARANTINED,
+    (SlotState.QUARANTINED, SlotEvent.RESTED): SlotState.IDLE,
 }
+LIFECYCLE = Lifecycle("slot", TRANSITIONS)
+
 
 #: Crashes within a minute that quarantine a slot, and how long it then rests.
 CRASH_LIMIT = 5
@@ -122,10 +155,8 @@ class Slot:
         max_input_queue_bytes: int = 32 << 20,
     ) -> None:
         self.index = index
-        self.first_clause_words = first_clause_words
         self.stack = stack
         self.pools = pools
-        self.clock = clock
         self.metrics = metrics
         self.drain_timeout_s = drain_timeout_s
         self.send_timeout_s = send_timeout_s
@@ -142,17 +173,39 @@ class Slot:
         self.input_budget = ByteBudget("input audio", max_input_queue_bytes)
         self.outbox.on_session_end = self._session_ended
         self.outbox.on_response_done = self._notify
-        self.dispatch = Dispatcher(self)
-        self.listener = Listener(self, ms_to_samples(max_input_buffer_s * 1000), speculate_after_ms, semantic)
-        self.responder = Responder(self)
-        self._stages: tuple[Transcriber, Responder, Speaker] = (Transcriber(self), self.responder, Speaker(self))
+        # The stages see only this, their queues, and the callbacks wired here: never the slot.
+        self.stage = StageContext(index, stack, pools, metrics, self.outbox, self.fail, first_clause_words)
+        serving = self.serving
+        self.listener = Listener(
+            self.stage,
+            serving,
+            clock,
+            self.stt_q.put_nowait,
+            self.close_now,
+            self.input_budget,
+            ms_to_samples(max_input_buffer_s * 1000),
+            speculate_after_ms,
+            semantic,
+        )
+        self.dispatch = Dispatcher(self.stage, serving, self.listener, self.input_budget, clock.max_backlog_s)
+        responder = Responder(self.stage, serving, self.llm_q, self.tts_q)
+        self._stages: tuple[Transcriber, Responder, Speaker] = (
+            Transcriber(self.stage, serving, self.stt_q, self.llm_q),
+            responder,
+            Speaker(self.stage, serving, self.tts_q, responder.prime_after),
+        )
         #: Owns the slot's own short tasks (closing a failed session's socket); never closed.
         self.scope = Scope(f"slot {index}")
         self._drained = asyncio.Event()
         self._crashes: list[float] = []
-        self._crash_hold = False
+        #: Its stages crashed too often: when it holds no session, it rests (:data:`CRASH_COOL_DOWN_S`).
+        self.crashed_out = False
         #: Called when a session or a response ends (the server's shutdown waits on it).
         self.on_change: list[Callable[[], None]] = []
+
+    def serving(self) -> SessionContext | None:
+        """The session the slot serves now (None between sessions)."""
+        return self.ctx
 
     @property
     def log_content(self) -> bool:
@@ -164,9 +217,9 @@ class Slot:
 
     # --- lifecycle ------------------------------------------------------
 
-    def transition(self, new: SlotState, reason: str | None = None) -> None:
-        if new not in TRANSITIONS[self.state]:
-            raise RuntimeError(f"slot {self.index}: {self.state.value} → {new.value} is not allowed")
+    def step(self, event: SlotEvent, reason: str | None = None) -> None:
+        """Move the slot along its table (:data:`TRANSITIONS`); ``reason`` says why it is quarantined."""
+        new = LIFECYCLE.step(self.state, event, self.index)
         self.state = new
         self.state_since = time.monotonic()
         if new is SlotState.QUARANTINED:
@@ -179,7 +232,9 @@ class Slot:
     async def attach(self, ws: ServerConnection, session: Session, client: str) -> None:
         """Bind a claimed slot to a new session and greet the client."""
         assert self.state is SlotState.ACTIVE and self.ctx is None
-        self.ctx = SessionContext(ws, session, self.stack.vad.new_state(), client, self.listener.semantic)
+        self.ctx = SessionContext(
+            ws, session, client, self.stack.vad.new_state(), self.listener.semantic, self.listener.speculator_for
+        )
         # A task of this session that raises ends this session, and only it.
         session.scope.on_failure = lambda exc: self.fail(exc, "a task of the session", session.scope)
         self.outbox.ws, self.outbox.session, self.outbox.client = ws, session, client
@@ -236,7 +291,7 @@ class Slot:
             events += session.fail_response(session.response, "session_failed", message)
         events.append(session.error(ProtocolError("session_failed", message, type="server_error")))
         data = [encode_event(e) for e in events]
-        ctx.listening.closing = True
+        ctx.audio.closing = True
         session.end()
         self._notify()
         self.scope.spawn(_say_and_close(ctx.ws, data, 1011, "internal error"), f"slot{self.index}-failed")
@@ -249,7 +304,7 @@ class Slot:
 
     async def end_session(self) -> bool:
         """Three-phase teardown. Returns False if the slot was quarantined."""
-        self.transition(SlotState.DRAINING)
+        self.step(SlotEvent.END)
         ctx = self.ctx
         if ctx is None:  # attach never happened
             self._finish_drain()
@@ -267,15 +322,15 @@ class Slot:
             return True
         except TimeoutError:
             if self.state is SlotState.DRAINING:
-                self.transition(SlotState.QUARANTINED, f"drain did not finish within {self.drain_timeout_s:g} s")
+                self.step(SlotEvent.DRAIN_LATE, f"drain did not finish within {self.drain_timeout_s:g} s")
             return False
 
     def _flush(self) -> None:
         dropped = self.outbox.flush()
         self.input_budget.reset()
         if self.ctx is not None:
-            dropped += len(self.ctx.listening.inbox)
-            self.ctx.listening.inbox.clear()
+            dropped += len(self.ctx.audio.inbox)
+            self.ctx.audio.inbox.clear()
         for q in (self.stt_q, self.llm_q, self.tts_q):
             while not q.empty():
                 q.get_nowait()
@@ -294,26 +349,24 @@ class Slot:
         self.outbox.ws = self.outbox.session = None
         self.outbox.timings.clear()
         release_freed_memory(background=True)
-        if self.state is SlotState.DRAINING:
-            if self._crash_hold:
-                self._hold_after_crashes()
+        if self.state in (SlotState.DRAINING, SlotState.QUARANTINED):
+            # Quarantined: the stuck work that made the drain late has ended after all.
+            if self.crashed_out:
+                self._rest_after_crashes()
             else:
-                self.transition(SlotState.IDLE)
-        elif self.state is SlotState.QUARANTINED and not self._crash_hold:
-            # The stuck work that made the drain late has ended after all.
-            self.transition(SlotState.IDLE)
+                self.step(SlotEvent.DRAINED)
         self._drained.set()
         self._notify()
 
-    def _hold_after_crashes(self) -> None:
-        self.transition(SlotState.QUARANTINED, f"stages crashed {CRASH_LIMIT} times within a minute")
-        asyncio.get_running_loop().call_later(CRASH_COOL_DOWN_S, self._end_crash_hold)
+    def _rest_after_crashes(self) -> None:
+        self.step(SlotEvent.CRASHED_OUT, f"stages crashed {CRASH_LIMIT} times within a minute")
+        asyncio.get_running_loop().call_later(CRASH_COOL_DOWN_S, self._rested)
 
-    def _end_crash_hold(self) -> None:
-        self._crash_hold = False
+    def _rested(self) -> None:
+        self.crashed_out = False
         self._crashes.clear()
         if self.state is SlotState.QUARANTINED and self.ctx is None:
-            self.transition(SlotState.IDLE)
+            self.step(SlotEvent.RESTED)
             self._notify()
 
     def _notify(self) -> None:
@@ -337,22 +390,11 @@ class Slot:
                 self.metrics.stage_restarts.inc()
                 await self._recover(group)
 
-    async def serve(self, queue: asyncio.Queue[Any], handle: Callable[[Any], Awaitable[None]], stage: str) -> None:
-        """A stage's loop: one item at a time; an item that raises ends its own session, not the stage."""
-        while True:
-            # One call per item: nothing of a session stays referenced while the stage waits.
-            item = await queue.get()
-            try:
-                await handle(item)
-            except Exception as exc:
-                self.fail(exc, f"the {stage} stage", getattr(item, "scope", None))
-            del item
-
     async def _recover(self, group: BaseException) -> None:
         now = time.monotonic()
         self._crashes = [t for t in self._crashes if now - t < 60] + [now]
         if len(self._crashes) >= CRASH_LIMIT:
-            self._crash_hold = True
+            self.crashed_out = True
         ctx = self.ctx
         if ctx is not None and self.state is SlotState.ACTIVE:
             # The crashed stage may have held this session's work: end it cleanly, and at once
@@ -362,8 +404,8 @@ class Slot:
             # Draining: the crash may have swallowed the sentinel; send it again.
             self._flush()
             self.stt_q.put_nowait(SessionEnd(ctx.session.id))
-        elif self._crash_hold and self.state is SlotState.IDLE:
-            self._hold_after_crashes()
+        elif self.crashed_out and self.state is SlotState.IDLE:
+            self._rest_after_crashes()
 
 
 async def _say_and_close(ws: ServerConnection, data: list[bytes], code: int, reason: str) -> None:

@@ -110,7 +110,7 @@ def test_the_language_heard_reaches_the_answer_and_the_log(
             await c.append_audio(tone(440, 0.5) + silence(0.8))
             await c.until("response.done")
 
-    with caplog.at_level(logging.INFO, logger="s2s_rt.slot"):
+    with caplog.at_level(logging.INFO, logger="s2s_rt.pipeline.transcribing"):
         run(scenario())
     system = llm.seen[-1][0]
     assert system.role == "system"

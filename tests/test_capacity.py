@@ -24,7 +24,7 @@ from s2s_rt import Server
 from s2s_rt.audio import AudioFormat
 from s2s_rt.engines.fake import EnergyVAD
 from s2s_rt.inference import call_lowered
-from s2s_rt.pipeline.listening import ListeningCost
+from s2s_rt.listening.admission import ListeningCost
 
 
 async def _readiness_is(server: Server, status: int) -> bool:

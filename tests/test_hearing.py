@@ -13,9 +13,8 @@ import pytest
 from s2s_rt.audio import AudioFormat, Resampler
 from s2s_rt.engines.base import PIPELINE_RATE
 from s2s_rt.engines.silero import SileroVAD
+from s2s_rt.listening.hearing import AudioBytes, SessionAudio, hear
 from s2s_rt.models.recipes import _SILERO
-from s2s_rt.pipeline.listening import ListeningState, hear
-from s2s_rt.pipeline.work import AudioBytes
 from s2s_rt.scope import Scope
 
 PCM24 = AudioFormat("audio/pcm", 24_000)
@@ -50,7 +49,7 @@ def test_sessions_heard_together_get_what_each_would_get_alone(vad: SileroVAD) -
         (ULAW, 160, 2),
         (PCM24, 902, 1),
     ]
-    sessions = [ListeningState(vad.new_state(), None, fmt) for fmt, _, _ in kinds]
+    sessions = [SessionAudio(Scope("test"), vad.new_state(), fmt) for fmt, _, _ in kinds]
     alone_states = [vad.new_state() for _ in kinds]
     sent: list[list[tuple[AudioFormat, bytes]]] = [[] for _ in kinds]
     streams = [fmt.encode(_speechlike(rng, 3.0, fmt.rate)) for fmt, _, _ in kinds]
@@ -106,7 +105,7 @@ def test_sessions_heard_together_get_what_each_would_get_alone(vad: SileroVAD) -
 
 def test_a_session_that_is_not_scored_still_gets_its_samples(vad: SileroVAD) -> None:
     scope = Scope("test")
-    listening = ListeningState(vad.new_state(), None, PCM24)
+    listening = SessionAudio(Scope("test"), vad.new_state(), PCM24)
     data = PCM24.encode(np.zeros(480, np.float32))
     (h,) = hear(vad, [(listening, [AudioBytes(scope, data, PCM24)], False)])
     assert h.error is None and len(h.samples) == 320 and len(h.probabilities) == 0
@@ -142,6 +141,6 @@ def test_vad_rows_are_reused_and_grow_without_mixing_sessions(vad: SileroVAD) ->
 
 def test_empty_appends_of_several_sessions_in_one_tick_are_heard_as_nothing(vad: SileroVAD) -> None:
     scope = Scope("test")
-    sessions = [ListeningState(vad.new_state(), None, PCM24) for _ in range(3)]
+    sessions = [SessionAudio(Scope("test"), vad.new_state(), PCM24) for _ in range(3)]
     got = hear(vad, [(ls, [AudioBytes(scope, b"", PCM24)], True) for ls in sessions])
     assert [(h.error, len(h.samples), len(h.probabilities)) for h in got] == [(None, 0, 0)] * 3

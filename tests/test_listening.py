@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from s2s_rt.pipeline.listening import InputBuffer
+from s2s_rt.listening.buffer import InputBuffer
 
 
 def test_input_buffer_matches_a_plain_array_under_random_appends_drops_and_takes() -> None:

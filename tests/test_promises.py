@@ -34,7 +34,7 @@ from websockets.asyncio.client import connect
 
 from s2s_rt.inference import StagePool
 from s2s_rt.metrics import Metrics
-from s2s_rt.pipeline import responding
+from s2s_rt.pipeline import clauses
 from s2s_rt.pipeline.transcribing import Transcriber
 from s2s_rt.pipeline.work import SessionEnd
 
@@ -392,7 +392,7 @@ def test_no_transcription_events_unless_the_session_asks_but_the_answer_still_he
 
 def test_clause_splitter_scans_each_character_a_bounded_number_of_times(monkeypatch: pytest.MonkeyPatch) -> None:
     scanned = 0
-    pattern = responding._CLAUSE_END
+    pattern = clauses._CLAUSE_END
 
     class Counting:
         def finditer(self, text: str, pos: int = 0):  # type: ignore[no-untyped-def]
@@ -400,8 +400,8 @@ def test_clause_splitter_scans_each_character_a_bounded_number_of_times(monkeypa
             scanned += len(text) - pos
             return pattern.finditer(text, pos)
 
-    monkeypatch.setattr(responding, "_CLAUSE_END", Counting())
-    splitter = responding.ClauseSplitter()
+    monkeypatch.setattr(clauses, "_CLAUSE_END", Counting())
+    splitter = clauses.ClauseSplitter()
     tokens = [f" word{i}" for i in range(4096)]
     out = [c for t in tokens for c in splitter.feed(t)]
     out.append(splitter.flush())

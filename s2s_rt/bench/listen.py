@@ -95,7 +95,7 @@ async def run_listen(opts: argparse.Namespace, server: ServerHandle, clips: list
             )
         await pause(run, opts.warmup_s)
         m0, p0, c0, t0 = await server.metrics(), server.proc(), time.process_time(), time.perf_counter()
-        usage = Usage(server)
+        usage = Usage(server.proc)
         turns_before = len(run.turns)
         failures_before = sum(run.counts.values()) - run.counts["sessions_opened"]
         await pause(run, opts.step_s)

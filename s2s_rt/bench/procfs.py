@@ -6,12 +6,10 @@ import contextlib
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from s2s_rt.bench.server import ServerHandle
+from typing import Any
 
 
 @dataclass
@@ -64,17 +62,18 @@ def machine_busy_s() -> float:
 class Usage:
     """CPU use over a window: the machine, this client process, the server process."""
 
-    def __init__(self, server: ServerHandle) -> None:
+    def __init__(self, server: Callable[[], ProcSample | None]) -> None:
+        """``server`` reads the server process's figures (None when it is not on this machine)."""
         self.server = server
         self.t0 = time.perf_counter()
         self.machine0 = machine_busy_s()
         self.client0 = read_proc(os.getpid())
-        self.server0 = server.proc()
+        self.server0 = server()
 
     def figures(self) -> dict[str, Any]:
         seconds = time.perf_counter() - self.t0
         machine = (machine_busy_s() - self.machine0) / seconds
-        client1, server1 = read_proc(os.getpid()), self.server.proc()
+        client1, server1 = read_proc(os.getpid()), self.server()
         out: dict[str, Any] = {"machine_cores_busy": machine}
         if self.client0 and client1:
             out["client_cores_busy"] = (client1.cpu_s - self.client0.cpu_s) / seconds

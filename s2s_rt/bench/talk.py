@@ -65,7 +65,7 @@ async def run_talk(opts: argparse.Namespace, server: ServerHandle, clips: list[C
     lag = LoopLag()
     tasks.append(asyncio.create_task(lag.run(), name="client-lag"))
     m0, p0, c0 = await server.metrics(), server.proc(), time.process_time()
-    usage = Usage(server)
+    usage = Usage(server.proc)
     started = time.perf_counter()
     total = opts.sessions * opts.turns
     tasks.append(asyncio.create_task(progress(started, lambda: _talk_status(run, total), opts.quiet)))

@@ -17,7 +17,7 @@ from datetime import datetime
 from typing import Any
 
 from s2s_rt.engines.base import LLM, TTS, ChatMessage, LLMUsage
-from s2s_rt.pipeline.responding import ClauseSplitter
+from s2s_rt.pipeline.clauses import ClauseSplitter
 from s2s_rt.protocol.config import DEFAULT_MAX_OUTPUT_TOKENS
 from s2s_rt.spoken_answer import with_answer_context
 from s2s_rt.toolcalls import Call, Text, ToolCallError, ToolCallFilter, parse_call

@@ -1,7 +1,7 @@
 """Answering ahead: an answer begun in a turn's closing silence, held until the turn ends.
 
 When the words of a turn are transcribed before its silence has ended
-(:meth:`~s2s_rt.pipeline.listening.Listener._speculate`), the answer to them
+(:mod:`s2s_rt.pipeline.speculation`), the answer to them
 is started too: the LLM streams into an :class:`Anticipation`, and its first
 clause is synthesised as soon as it is complete. Nothing of it reaches the
 client: no response exists yet. When the turn ends, the turn's response
@@ -18,21 +18,17 @@ adopting response is cancelled or fails.
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from s2s_rt.engines.base import AsyncLLM, ChatMessage, Float32Array, LLMUsage
 from s2s_rt.inference import OneAtATime
 from s2s_rt.scope import Scope
 
-if TYPE_CHECKING:
-    from s2s_rt.slot import Slot
-
-log = logging.getLogger("s2s_rt.slot")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,68 +81,16 @@ class Anticipation:
         self.first_clause: str | None = None
         self.first_audio: asyncio.Task[list[Float32Array] | None] | None = None
 
-    def start(
-        self,
-        slot: Slot,
-        messages: Sequence[ChatMessage],
-        splitter: Any | None,
-        voice: str | None = None,
-    ) -> None:
-        """Begin streaming the answer, and synthesising its first clause in ``voice`` if given a splitter.
+    def add(self, piece: str) -> None:
+        """A piece of the answer came."""
+        self.pieces.append(piece)
+        self._changed.set()
 
-        Args:
-            splitter: a fresh clause splitter, as the LLM stage would cut the answer (None: text only).
-        """
-        if self.scope.spawn(self._run(slot, messages, splitter, voice), f"slot{slot.index}-ahead") is None:
-            self.done = True  # its session is closing: nothing to adopt
-
-    async def _run(self, slot: Slot, messages: Sequence[ChatMessage], splitter: Any | None, voice: str | None) -> None:
-        llm = slot.stack.llm
-        key = self.key
-        options = {
-            "max_tokens": key.max_tokens,
-            "temperature": key.temperature,
-            "should_stop": lambda: self.scope.stale,
-            "usage": self.usage,
-            "tools": json.loads(key.tools),
-            "require_tool": key.require_tool,
-        }
-        if takes_turns(llm):
-            # Urgent until its first clause is cut (or, unspoken, its first words are out).
-            options["urgent"] = lambda: (self.first_clause is None) if splitter is not None else not self.pieces
-        try:
-            async for piece in slot.pools["llm"].stream(
-                functools.partial(llm.stream, messages, **options), gate=self.gate
-            ):
-                self.pieces.append(piece)
-                self._changed.set()
-                if splitter is not None and self.first_audio is None:
-                    clauses = splitter.feed(piece)
-                    if clauses:
-                        self.first_clause = clauses[0]
-                        self.first_audio = self.scope.spawn(
-                            self._synthesize(slot, clauses[0], voice), f"slot{slot.index}-ahead-tts"
-                        )
-        except Exception as exc:
-            self.error = exc
-        finally:
-            self.done = True
-            self._changed.set()
-
-    async def _synthesize(self, slot: Slot, text: str, voice: str | None) -> list[Float32Array] | None:
-        """The first clause's speech; None if synthesis failed (the TTS stage then tries again, and reports)."""
-        pieces: list[Float32Array] = []
-        try:
-            async for audio in slot.pools["tts"].stream(
-                lambda: slot.stack.tts.synthesize(
-                    text, voice=voice, should_stop=lambda: self.scope.stale, speed=self.key.speed
-                )
-            ):
-                pieces.append(audio)
-        except Exception as exc:
-            log.warning("slot %d: speaking the first clause ahead failed: %r", slot.index, exc)
-            return None
-        return pieces
+    def end(self, error: BaseException | None = None) -> None:
+        """The answer is complete (or failed with ``error``)."""
+        self.error = error
+        self.done = True
+        self._changed.set()
 
     def adopt(self, response_scope: Scope) -> AsyncIterator[str]:
         """The turn's response takes the answer: its pieces from the first, and the rest as they come.

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from s2s_rt.inference import OneAtATime
-from s2s_rt.pipeline.listening import ListeningState
+from s2s_rt.listening.hearing import SessionAudio
+from s2s_rt.pipeline.speculation import Speculator
+from s2s_rt.pipeline.turns import TurnState
 from s2s_rt.protocol.session import Session
 from s2s_rt.turn import SemanticTurnEnd
 
@@ -16,17 +19,31 @@ if TYPE_CHECKING:
 class SessionContext:
     """A session's socket and state, as the slot's stages see it.
 
-    The listening clock alone owns :attr:`listening`.
+    The listening clock alone touches :attr:`audio`, :attr:`turns` and
+    :attr:`speculator` (through the slot's listener), and the receive path
+    appends to the audio's inbox.
+
+    Args:
+        speculate: makes the session's speculator (the slot's listener knows how).
     """
 
     def __init__(
-        self, ws: ServerConnection, session: Session, vad_state: Any, client: str, semantic: SemanticTurnEnd
+        self,
+        ws: ServerConnection,
+        session: Session,
+        client: str,
+        vad_state: Any,
+        semantic: SemanticTurnEnd,
+        speculate: Callable[[SessionContext], Speculator],
     ) -> None:
         self.ws = ws
         self.session = session
         self.client = client
-        self.listening = ListeningState(vad_state, session.config.turn_detection, session.config.input_format, semantic)
+        td = session.config.turn_detection
+        self.audio = SessionAudio(session.scope, vad_state, session.config.input_format, scoring=td is not None)
+        self.turns = TurnState(td, semantic)
         #: The session's LLM calls given up on: a new one waits until they have ended (one at a time).
         self.llm_gate = OneAtATime()
         #: The language the user last spoke (given by the session, or detected): answers are in it.
         self.language: str | None = None
+        self.speculator = speculate(self)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from s2s_rt.metrics import labels_key
@@ -11,18 +12,39 @@ from s2s_rt.protocol import client_events as ce
 from s2s_rt.protocol.errors import ProtocolError
 
 if TYPE_CHECKING:
+    from s2s_rt.budget import ByteBudget
     from s2s_rt.pipeline.context import SessionContext
-    from s2s_rt.slot import Slot
+    from s2s_rt.pipeline.listener import Listener
+    from s2s_rt.pipeline.stage import StageContext
 
 
 _APPEND = labels_key(type="input_audio_buffer.append")
 
 
 class Dispatcher:
-    """Feeds one slot with its client's frames."""
+    """Feeds one slot with its client's frames.
 
-    def __init__(self, slot: Slot) -> None:
-        self.slot = slot
+    Args:
+        stage: the slot's stage context.
+        serving: the session the slot serves now.
+        listener: the slot's listener (audio and buffer commands go to it, in order).
+        input_budget: the slot's budget of audio waiting to be heard.
+        max_wait_s: how long an append past the budget may wait for room before it is refused.
+    """
+
+    def __init__(
+        self,
+        stage: StageContext,
+        serving: Callable[[], SessionContext | None],
+        listener: Listener,
+        input_budget: ByteBudget,
+        max_wait_s: float,
+    ) -> None:
+        self.stage = stage
+        self.serving = serving
+        self.listener = listener
+        self.input_budget = input_budget
+        self.max_wait_s = max_wait_s
 
     async def receive(self, message: str | bytes) -> None:
         """Handle one frame from the client: decode, validate, dispatch.
@@ -30,25 +52,25 @@ class Dispatcher:
         Every problem becomes an ``error`` event; nothing here raises for
         anything the client sent.
         """
-        slot = self.slot
+        stage = self.stage
         if isinstance(message, bytes):
-            await slot.outbox.error(
+            await stage.outbox.error(
                 ProtocolError("invalid_event", "Binary frames are not supported; send JSON events as text frames")
             )
             return
         try:
             event = ce.decode_client_event(message)
         except ProtocolError as exc:
-            slot.metrics.events_in.inc(type="invalid")
-            await slot.outbox.error(exc)
+            stage.metrics.events_in.inc(type="invalid")
+            await stage.outbox.error(exc)
             return
-        slot.metrics.events_in.inc(type=type(event).__struct_config__.tag)  # type: ignore[arg-type]
+        stage.metrics.events_in.inc(type=type(event).__struct_config__.tag)  # type: ignore[arg-type]
         try:
             await self._dispatch(event)
         except ProtocolError as exc:
             if exc.event_id is None:
                 exc.event_id = event.event_id
-            await slot.outbox.error(exc)
+            await stage.outbox.error(exc)
 
     def receive_now(self, message: bytes | bytearray | memoryview) -> bool:
         """Handle an audio append at once, if nothing about it needs waiting; else leave it (False).
@@ -65,8 +87,7 @@ class Dispatcher:
             return False
         if type(event) is not ce.InputAudioBufferAppend:
             return False
-        slot = self.slot
-        ctx = slot.ctx
+        ctx = self.serving()
         if ctx is None:
             return False
         try:
@@ -74,7 +95,7 @@ class Dispatcher:
                 return False
         except ProtocolError:
             return False
-        slot.metrics.events_in.add(_APPEND)
+        self.stage.metrics.events_in.add(_APPEND)
         return True
 
     def _append(self, ctx: SessionContext, ev: ce.InputAudioBufferAppend) -> bool:
@@ -87,15 +108,14 @@ class Dispatcher:
         Raises:
             ProtocolError: the audio does not fit the session's format.
         """
-        slot = self.slot
-        if ctx.listening.closing:
+        if ctx.audio.closing:
             return True
-        if not slot.input_budget.try_take(len(ev.audio)):
+        if not self.input_budget.try_take(len(ev.audio)):
             return False
         try:
-            slot.listener.audio(ctx, ev.audio, ev.event_id)
+            self.listener.audio(ctx, ev.audio, ev.event_id)
         except ProtocolError:
-            slot.input_budget.release(len(ev.audio))
+            self.input_budget.release(len(ev.audio))
             raise
         return True
 
@@ -106,22 +126,21 @@ class Dispatcher:
         clock allows; its sender is slowed down, alone. False if the budget
         did not free up within the clock's ``max_backlog_s``.
         """
-        slot = self.slot
         try:
-            async with asyncio.timeout(slot.clock.max_backlog_s):
-                await slot.input_budget.take(len(ev.audio))
+            async with asyncio.timeout(self.max_wait_s):
+                await self.input_budget.take(len(ev.audio))
         except TimeoutError:
             return False
-        slot.input_budget.release(len(ev.audio))
+        self.input_budget.release(len(ev.audio))
         return self._append(ctx, ev)
 
     async def _dispatch(self, ev: ce.ClientEvent) -> None:
-        slot = self.slot
-        ctx = slot.ctx
+        stage = self.stage
+        ctx = self.serving()
         assert ctx is not None
         session = ctx.session
         scope = session.scope
-        listener = slot.listener
+        listener = self.listener
         match ev:
             case ce.InputAudioBufferAppend():
                 if not self._append(ctx, ev) and not await self._append_when_heard(ctx, ev):
@@ -129,8 +148,8 @@ class Dispatcher:
                     # wait: this append is refused (the client may send it again), the session stays.
                     raise ProtocolError(
                         "input_audio_buffer_full",
-                        f"{slot.input_budget.used} bytes of audio are still waiting to be heard (at most"
-                        f" {slot.input_budget.limit}); this append was not taken: send it again shortly",
+                        f"{self.input_budget.used} bytes of audio are still waiting to be heard (at most"
+                        f" {self.input_budget.limit}); this append was not taken: send it again shortly",
                         param="audio",
                     )
             case ce.InputAudioBufferCommit():
@@ -139,20 +158,20 @@ class Dispatcher:
                 listener.command(ctx, BufferCommand(scope, "clear", ev.event_id))
             case ce.SessionUpdate() | ce.TranscriptionSessionUpdate():
                 events = session.handle(ev)
-                await slot.outbox.emit(events, scope)
+                await stage.outbox.emit(events, scope)
                 # Turn detection changes reach the listener in order with the audio.
                 listener.command(ctx, SettingsChanged(scope))
             case ce.ResponseCreate():
                 events = session.handle(ev)
                 r = session.response
                 assert r is not None
-                slot.outbox.timings[r.id] = TurnTiming()
-                await slot.outbox.emit(events, scope)
+                stage.outbox.timings[r.id] = TurnTiming()
+                await stage.outbox.emit(events, scope)
                 # It travels behind the audio and transcriptions before it.
                 listener.command(ctx, ResponseRequest(r.scope, r))
             case ce.ResponseCancel():
                 events = session.handle(ev)
-                slot.metrics.turns.inc(status="cancelled")
-                await slot.outbox.emit(events, scope)
+                stage.metrics.turns.inc(status="cancelled")
+                await stage.outbox.emit(events, scope)
             case _:
-                await slot.outbox.emit(session.handle(ev), scope)
+                await stage.outbox.emit(session.handle(ev), scope)

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
     from s2s_rt.protocol.session import Session
 
-log = logging.getLogger("s2s_rt.slot")
+log = logging.getLogger(__name__)
 
 
 class Outbox:

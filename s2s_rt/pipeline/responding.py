@@ -6,14 +6,16 @@ import asyncio
 import contextlib
 import functools
 import logging
-import re
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from s2s_rt.engines.base import AsyncLLM, ChatMessage, LLMError, LLMUsage
 from s2s_rt.inference import EngineTimeout
 from s2s_rt.pipeline.anticipation import AnswerKey, Anticipation, takes_turns
+from s2s_rt.pipeline.clauses import ClauseSplitter
+from s2s_rt.pipeline.context import SessionContext
+from s2s_rt.pipeline.stage import StageContext, serve
 from s2s_rt.pipeline.work import CallOut, ResponseEnd, ResponseRequest, SessionEnd, Speak, run_scoped
 from s2s_rt.spoken_answer import with_answer_context
 from s2s_rt.toolcalls import Call as CallPart
@@ -22,43 +24,57 @@ from s2s_rt.toolcalls import ToolCallError, ToolCallFilter, offered_tools, parse
 
 if TYPE_CHECKING:
     from s2s_rt.metrics import Metrics
-    from s2s_rt.pipeline.context import SessionContext
     from s2s_rt.protocol.response import Response
-    from s2s_rt.slot import Slot
 
-log = logging.getLogger("s2s_rt.slot")
+log = logging.getLogger(__name__)
 
 #: How long reading a conversation ahead waits for the LLM to be free before giving up.
 PRIME_WAIT_S = 20.0
 
 
 class Responder:
-    """The LLM stage of one slot."""
+    """The LLM stage of one stage.
 
-    def __init__(self, slot: Slot) -> None:
-        self.slot = slot
+    Args:
+        stage: the slot's stage context.
+        serving: the session the slot serves now.
+        inbox: its queue (response requests, session ends).
+        to_tts: the speaking stage's queue.
+    """
+
+    def __init__(
+        self,
+        stage: StageContext,
+        serving: Callable[[], SessionContext | None],
+        inbox: asyncio.Queue[Any],
+        to_tts: asyncio.Queue[Any],
+    ) -> None:
+        self.stage = stage
+        self.serving = serving
+        self.inbox = inbox
+        self.to_tts = to_tts
         #: The answer being generated has its first words on their way (it then gives way to answers that do not).
-        self._heard = False
+        self._words_out = False
 
     async def run(self) -> None:
-        await self.slot.serve(self.slot.llm_q, self._handle, "LLM")
+        await serve(self.stage, self.inbox, self._handle, "LLM")
 
     async def _handle(self, item: Any) -> None:
-        slot = self.slot
+        stage = self.stage
         if isinstance(item, SessionEnd):
-            await slot.tts_q.put(item)
+            await self.to_tts.put(item)
             return
         if item.scope.stale:
-            slot.metrics.dropped_stale.inc(stage="llm")
+            stage.metrics.dropped_stale.inc(stage="llm")
             if isinstance(item, ResponseRequest) and item.anticipation is not None:
                 item.anticipation.drop("response closed")
             return
-        ctx = slot.ctx
+        ctx = self.serving()
         assert ctx is not None
         await run_scoped(item.scope, self._generate(ctx, item))
 
     async def _generate(self, ctx: SessionContext, req: ResponseRequest) -> None:
-        slot = self.slot
+        stage = self.stage
         session = ctx.session
         r = req.response
         scope = req.scope
@@ -71,24 +87,24 @@ class Responder:
                 messages, tools, must_call, r.params.temperature, r.token_limit, r.params.speed, r.params.voice
             )
             if ahead.key == asked and not ahead.scope.stale:
-                slot.metrics.speculative_responses.inc(outcome="used")
+                stage.metrics.speculative_responses.inc(outcome="used")
                 usage = ahead.usage
             else:
                 ahead.drop("the response asks something else")
-                slot.metrics.speculative_responses.inc(outcome="unused")
+                stage.metrics.speculative_responses.inc(outcome="unused")
                 ahead = None
 
         def stale() -> bool:
             return scope.stale
 
-        clauses = ClauseSplitter(first_words=slot.first_clause_words)
+        clauses = ClauseSplitter(first_words=stage.first_clause_words)
         spoke = False
-        self._heard = False
+        self._words_out = False
         for attempt in range(2):
             calls: list[str] = []
             splitter = ToolCallFilter()
             try:
-                llm = slot.stack.llm
+                llm = stage.stack.llm
                 options: dict[str, Any] = {
                     "max_tokens": r.token_limit,
                     "temperature": r.params.temperature,
@@ -98,23 +114,23 @@ class Responder:
                     "require_tool": must_call,
                 }
                 if takes_turns(llm):
-                    options["urgent"] = lambda: not self._heard
+                    options["urgent"] = lambda: not self._words_out
                 pieces: contextlib.AbstractAsyncContextManager[AsyncIterator[str]]
                 if ahead is not None and attempt == 0:
                     # Begun in the turn's closing silence: what it made so far, then the rest as it comes.
                     pieces = contextlib.nullcontext(ahead.adopt(scope))
                 elif isinstance(llm, AsyncLLM):
                     # A remote model streams on the loop: no thread held, and closing it closes its connection.
-                    pieces = contextlib.aclosing(_timed(llm.astream(messages, **options), slot.metrics))
+                    pieces = contextlib.aclosing(_timed(llm.astream(messages, **options), stage.metrics))
                 else:
                     pieces = contextlib.nullcontext(
-                        slot.pools["llm"].stream(functools.partial(llm.stream, messages, **options), gate=ctx.llm_gate)
+                        stage.pools["llm"].stream(functools.partial(llm.stream, messages, **options), gate=ctx.llm_gate)
                     )
                 async with pieces as stream:
                     async for piece in stream:
                         if scope.stale:
                             return
-                        timing = slot.outbox.timings.get(r.id)
+                        timing = stage.outbox.timings.get(r.id)
                         if timing is not None and timing.first_token is None:
                             timing.first_token = time.perf_counter()
                         for part in splitter.feed(piece):
@@ -122,9 +138,9 @@ class Responder:
                 for part in splitter.flush():
                     spoke |= await self._say(r, part, clauses, calls, ahead)
             except Exception as exc:
-                log.warning("slot %d: LLM failed: %r", slot.index, exc)
+                log.warning("slot %d: LLM failed: %r", stage.index, exc)
                 if not scope.stale:
-                    slot.metrics.turns.inc(status="failed")
+                    stage.metrics.turns.inc(status="failed")
                     code = (
                         exc.code
                         if isinstance(exc, LLMError)
@@ -132,13 +148,13 @@ class Responder:
                         if isinstance(exc, EngineTimeout)
                         else "llm_failed"
                     )
-                    slot.metrics.errors.inc(code=code)
-                    await slot.outbox.emit(
+                    stage.metrics.errors.inc(code=code)
+                    await stage.outbox.emit(
                         session.fail_response(r, code, f"The language model failed: {exc}"), session.scope
                     )
                 return
             if scope.stale:
-                slot.metrics.dropped_stale.inc(stage="llm")
+                stage.metrics.dropped_stale.inc(stage="llm")
                 return
             problems = []
             for raw in calls:
@@ -147,7 +163,7 @@ class Responder:
                 except ToolCallError as exc:
                     problems.append((raw, str(exc)))
                     continue
-                await slot.tts_q.put(CallOut(scope, r, name, arguments))
+                await self.to_tts.put(CallOut(scope, r, name, arguments))
             if not problems:
                 break
             if attempt == 0 and not spoke and len(problems) == len(calls):
@@ -165,8 +181,8 @@ class Responder:
             break
         rest = clauses.flush()
         if rest and r.audio:
-            await slot.tts_q.put(Speak(scope, r, rest))
-        await slot.tts_q.put(ResponseEnd(scope, r, usage))
+            await self.to_tts.put(Speak(scope, r, rest))
+        await self.to_tts.put(ResponseEnd(scope, r, usage))
 
     def prime_after(self, ctx: SessionContext) -> None:
         """An answer ended: read the conversation so far into the LLM's kept state, in the background.
@@ -176,33 +192,33 @@ class Responder:
         answer is being generated (answers come first), runs while the user
         speaks, and is cancelled with the session.
         """
-        slot = self.slot
-        if getattr(slot.stack.llm, "prime", None) is None:
+        stage = self.stage
+        if getattr(stage.stack.llm, "prime", None) is None:
             return
-        ctx.session.scope.spawn(self._prime(ctx), f"slot{slot.index}-prime")
+        stage.spawn(ctx.session.scope, self._prime(ctx), "prime")
 
     async def _prime(self, ctx: SessionContext) -> None:
-        slot = self.slot
+        stage = self.stage
         session = ctx.session
-        pool = slot.pools["llm"]
+        pool = stage.pools["llm"]
         loop = asyncio.get_running_loop()
         give_up = loop.time() + PRIME_WAIT_S
         while pool.running and loop.time() < give_up:
             await asyncio.sleep(0.05)
         if pool.running or session.response is not None:
-            slot.metrics.primes.inc(outcome="busy")
+            stage.metrics.primes.inc(outcome="busy")
             return
         messages, params = session.next_prompt()
         tools, _ = offered_tools(params.tools, params.tool_choice)
         # As the next answer will see it, up to its user turn.
         messages = with_answer_context(messages, language=ctx.language, tools=bool(tools))
         try:
-            held = await pool.call(slot.stack.llm.prime, messages, tools, gate=ctx.llm_gate)  # type: ignore[attr-defined]
+            held = await pool.call(stage.stack.llm.prime, messages, tools, gate=ctx.llm_gate)  # type: ignore[attr-defined]
         except Exception as exc:  # the next answer reads everything, as without it
-            log.warning("slot %d: reading the conversation ahead failed: %r", slot.index, exc)
-            slot.metrics.primes.inc(outcome="failed")
+            log.warning("slot %d: reading the conversation ahead failed: %r", stage.index, exc)
+            stage.metrics.primes.inc(outcome="failed")
             return
-        slot.metrics.primes.inc(outcome="held" if held else "skipped")
+        stage.metrics.primes.inc(outcome="held" if held else "skipped")
 
     async def _say(
         self,
@@ -213,7 +229,6 @@ class Responder:
         ahead: Anticipation | None = None,
     ) -> bool:
         """Route one piece of model output; returns whether it was speakable text."""
-        slot = self.slot
         if isinstance(part, CallPart):
             calls.append(part.raw)
             return False
@@ -221,13 +236,13 @@ class Responder:
             return False
         if not r.audio:
             # Text goes through the TTS stage's queue too, so it stays in order with calls and the end.
-            await slot.tts_q.put(Speak(r.scope, r, part.text))
-            self._heard = True
+            await self.to_tts.put(Speak(r.scope, r, part.text))
+            self._words_out = True
         else:
             for clause in clauses.feed(part.text):
                 spoken = ahead.first_speech(clause) if ahead is not None else None
-                await slot.tts_q.put(Speak(r.scope, r, clause, spoken))
-                self._heard = True
+                await self.to_tts.put(Speak(r.scope, r, clause, spoken))
+                self._words_out = True
         return bool(part.text.strip())
 
 
@@ -240,59 +255,3 @@ async def _timed(pieces: AsyncGenerator[str, None], metrics: Metrics) -> AsyncGe
     finally:
         await pieces.aclose()
         metrics.stage_latency.observe(time.perf_counter() - started, stage="llm")
-
-
-_CLAUSE_END = re.compile(r"(?<=[.!?;:])\s+|(?<=[,])\s+(?=\S{2,})")
-
-
-class ClauseSplitter:
-    """Cuts streamed text into clauses so speech can start before the answer ends.
-
-    The first piece is cut at the first clause boundary (comma included), or
-    after ``first_words`` words if no boundary comes sooner, to start
-    speaking soon: a short answer is often one sentence, and waiting for its
-    end would wait for the whole answer. Later pieces are cut at sentence
-    ends, so the voice keeps a natural flow.
-
-    Each piece of text is scanned once (plus a few characters of context):
-    feeding a long answer token by token costs time linear in its length.
-    """
-
-    #: How far back a boundary may start before the end of what was scanned.
-    _CONTEXT = 4
-
-    def __init__(self, first_min_chars: int = 12, min_chars: int = 20, first_words: int = 5) -> None:
-        self.text = ""
-        self.first = True
-        self.first_min_chars = first_min_chars
-        self.min_chars = min_chars
-        self._first_words = re.compile(r"\s*(?:\S+\s+){" + str(first_words) + "}")
-        self._scanned = 0
-
-    def feed(self, piece: str) -> list[str]:
-        self.text += piece
-        out: list[str] = []
-        while True:
-            limit = self.first_min_chars if self.first else self.min_chars
-            cut: re.Match[str] | None = None
-            for m in _CLAUSE_END.finditer(self.text, max(0, self._scanned - self._CONTEXT)):
-                is_sentence = self.text[m.start() - 1] in ".!?;:"
-                if m.start() >= limit and (is_sentence or self.first):
-                    cut = m
-                    break
-            if cut is None and self.first:
-                cut = self._first_words.match(self.text)
-            if cut is None:
-                self._scanned = len(self.text)
-                return out
-            clause = self.text[: cut.end()].strip() if cut.re is self._first_words else self.text[: cut.start()].strip()
-            self.text = self.text[cut.end() :]
-            self._scanned = 0
-            if clause:
-                out.append(clause)
-                self.first = False
-
-    def flush(self) -> str:
-        rest, self.text = self.text.strip(), ""
-        self._scanned = 0
-        return rest

@@ -5,64 +5,81 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from s2s_rt.audio import Resampler
-from s2s_rt.engines.base import Float32Array, Stack
+from s2s_rt.engines.base import Float32Array
 from s2s_rt.inference import EngineTimeout
+from s2s_rt.pipeline.stage import serve
 from s2s_rt.pipeline.work import CallOut, ResponseEnd, SessionEnd, Speak, run_scoped
 
 if TYPE_CHECKING:
     from s2s_rt.pipeline.context import SessionContext
-    from s2s_rt.slot import Slot
+    from s2s_rt.pipeline.stage import StageContext
 
-log = logging.getLogger("s2s_rt.slot")
+log = logging.getLogger(__name__)
 
 #: Audio deltas are cut to this length.
 DELTA_MS = 100
 
 
 class Speaker:
-    """The TTS stage of one slot."""
+    """The TTS stage of one stage.
 
-    def __init__(self, slot: Slot) -> None:
-        self.slot = slot
+    Args:
+        stage: the slot's stage context.
+        serving: the session the slot serves now.
+        inbox: its queue (clauses, calls, response ends, session ends); what it makes goes to the outbox.
+        prime_after: called when an answer ended (the responding stage reads the conversation ahead).
+    """
+
+    def __init__(
+        self,
+        stage: StageContext,
+        serving: Callable[[], SessionContext | None],
+        inbox: asyncio.Queue[Any],
+        prime_after: Callable[[SessionContext], None],
+    ) -> None:
+        self.stage = stage
+        self.serving = serving
+        self.inbox = inbox
+        self.prime_after = prime_after
         self._resampler: Resampler | None = None
         self._resampling_for: str | None = None
 
     async def run(self) -> None:
-        await self.slot.serve(self.slot.tts_q, self._handle, "TTS")
+        await serve(self.stage, self.inbox, self._handle, "TTS")
 
     async def _handle(self, item: Any) -> None:
-        slot = self.slot
+        stage = self.stage
         if isinstance(item, SessionEnd):
             self._resampler = self._resampling_for = None
-            await slot.outbox.queue.put(item)
+            await stage.outbox.queue.put(item)
             return
         if item.scope.stale:
-            slot.metrics.dropped_stale.inc(stage="tts")
+            stage.metrics.dropped_stale.inc(stage="tts")
             return
-        ctx = slot.ctx
+        ctx = self.serving()
         assert ctx is not None
         session = ctx.session
         r = item.response
         if isinstance(item, CallOut):
-            await slot.outbox.emit(r.function_call(item.name, item.arguments), item.scope)
+            await stage.outbox.emit(r.function_call(item.name, item.arguments), item.scope)
         elif isinstance(item, ResponseEnd):
             r.input_tokens, r.output_tokens = item.usage.input_tokens, item.usage.output_tokens
             r.cached_tokens = item.usage.cached_tokens
             events = session.finish_response(r)
             if events:
-                slot.metrics.turns.inc(status="completed")
-            ctx.listening.idle_from = ctx.listening.clock
-            await slot.outbox.emit(events, item.scope)
+                stage.metrics.turns.inc(status="completed")
+            ctx.turns.idle_from = ctx.turns.position
+            await stage.outbox.emit(events, item.scope)
             if events:
-                slot.responder.prime_after(ctx)
+                self.prime_after(ctx)
         elif not r.audio:
-            await slot.outbox.emit(r.text_delta(item.text), item.scope)
+            await stage.outbox.emit(r.text_delta(item.text), item.scope)
         else:
             await run_scoped(item.scope, self._speak(ctx, item))
 
@@ -70,11 +87,11 @@ class Speaker:
         r = job.response
         if self._resampling_for != r.id or self._resampler is None:
             self._resampling_for = r.id
-            self._resampler = Resampler(self.slot.stack.tts.sample_rate, r.params.output_format.rate)
+            self._resampler = Resampler(self.stage.stack.tts.sample_rate, r.params.output_format.rate)
         return self._resampler
 
     async def _speak(self, ctx: SessionContext, job: Speak) -> None:
-        slot = self.slot
+        stage = self.stage
         r = job.response
         scope = job.scope
         resampler = self._resampler_for(job)
@@ -88,25 +105,25 @@ class Speaker:
 
                 def speech() -> Iterator[Float32Array]:
                     # Resampled in the TTS thread, off the event loop (this slot's resampler, one job at a time).
-                    for audio in slot.stack.tts.synthesize(
+                    for audio in stage.stack.tts.synthesize(
                         job.text,
-                        voice=tts_voice(slot.stack, r.params.voice),
+                        voice=stage.voice(r.params.voice),
                         should_stop=lambda: scope.stale,
                         speed=r.params.speed,
                     ):
                         yield resampler.process(audio)
 
-                async for audio in slot.pools["tts"].stream(speech):
+                async for audio in stage.pools["tts"].stream(speech):
                     if scope.stale:
                         return
                     pieces.append(audio)
         except Exception as exc:
-            log.warning("slot %d: TTS failed: %r", slot.index, exc)
+            log.warning("slot %d: TTS failed: %r", stage.index, exc)
             if not scope.stale:
-                slot.metrics.turns.inc(status="failed")
+                stage.metrics.turns.inc(status="failed")
                 code = "tts_timeout" if isinstance(exc, EngineTimeout) else "tts_failed"
-                slot.metrics.errors.inc(code=code)
-                await slot.outbox.emit(
+                stage.metrics.errors.inc(code=code)
+                await stage.outbox.emit(
                     ctx.session.fail_response(r, code, f"Speech synthesis failed: {exc}"), ctx.session.scope
                 )
             return
@@ -117,12 +134,12 @@ class Speaker:
         step = max(fmt.bytes_per_sample, int(fmt.rate * DELTA_MS / 1000) * fmt.bytes_per_sample)
         chunks = [data[i : i + step] for i in range(0, len(data), step)]
         ms = 1000 * len(samples) / fmt.rate
-        timing = slot.outbox.timings.get(r.id)
+        timing = stage.outbox.timings.get(r.id)
         if timing is not None and timing.first_audio is None:
             timing.first_audio = time.perf_counter()
             if timing.speech_end is not None:
-                slot.metrics.turn_latency.observe(timing.first_audio - timing.speech_end)
-        await slot.outbox.emit(r.audio_segment(chunks, job.text, ms), scope)
+                stage.metrics.turn_latency.observe(timing.first_audio - timing.speech_end)
+        await stage.outbox.emit(r.audio_segment(chunks, job.text, ms), scope)
 
 
 async def _spoken_ahead(job: Speak) -> list[Float32Array] | None:
@@ -134,7 +151,3 @@ async def _spoken_ahead(job: Speak) -> list[Float32Array] | None:
     if task.cancelled() or task.exception() is not None:
         return None
     return task.result()
-
-
-def tts_voice(stack: Stack, voice: str) -> str | None:
-    return voice if voice in stack.tts.voices else None

@@ -13,7 +13,6 @@ from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from s2s_rt.audio import AudioFormat
 from s2s_rt.engines.base import PIPELINE_RATE, Float32Array, LLMUsage, Transcript
 from s2s_rt.scope import Scope
 
@@ -44,36 +43,6 @@ def ms_to_samples(ms: float) -> int:
 
 def samples_to_ms(n: int) -> float:
     return n * 1000 / PIPELINE_RATE
-
-
-@dataclass(slots=True)
-class AudioBytes:
-    """Input audio as the client sent it (base64 already undone), with its format and arrival time."""
-
-    scope: Scope
-    #: A large append is heard in slices: views of its bytes, never copies.
-    data: bytes | memoryview
-    format: AudioFormat
-    received: float = field(default_factory=time.monotonic)
-    #: The append's ``event_id``, for an error about it.
-    event_id: str | None = None
-
-    def seconds(self) -> float:
-        return len(self.data) / (self.format.rate * self.format.bytes_per_sample)
-
-    def split(self, seconds: float) -> tuple[AudioBytes, AudioBytes]:
-        """The first ``seconds`` (whole samples, at least one) and the rest, both views of the same bytes.
-
-        The rest counts as received now: that it waits is the slicing's doing, not lateness of the clock
-        (an upload's last slice must not read as audio kept waiting since the append arrived).
-        """
-        step = self.format.bytes_per_sample
-        cut = max(step, int(seconds * self.format.rate) * step)
-        view = memoryview(self.data)
-        return (
-            AudioBytes(self.scope, view[:cut], self.format, self.received, self.event_id),
-            AudioBytes(self.scope, view[cut:], self.format, time.monotonic(), self.event_id),
-        )
 
 
 @dataclass(slots=True)

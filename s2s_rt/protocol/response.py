@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import base64
 import enum
-from dataclasses import dataclass, field
 from typing import Any
 
-from s2s_rt.audio import AudioFormat
+from s2s_rt.lifecycle import Lifecycle
 from s2s_rt.protocol import server_events as se
-from s2s_rt.protocol.config import DEFAULT_MAX_OUTPUT_TOKENS, MAX_OUTPUT_TOKENS_CAP
 from s2s_rt.protocol.conversation import Conversation, SpokenSegment
 from s2s_rt.protocol.errors import ProtocolError
+from s2s_rt.protocol.response_params import ResponseParams
 from s2s_rt.protocol.server_events import Dialect, new_id, snapshot
 from s2s_rt.scope import Scope
 
@@ -49,10 +48,13 @@ class Step(enum.Enum):
     CLOSE_PART = "close_part"
     CLOSE_ITEM = "close_item"
     FINISH = "finish"
+    CANCEL = "cancel"
+    FAIL = "fail"
 
 
 #: Every allowed (phase, step) and the phase it leads to. Anything else is a bug.
 TRANSITIONS: dict[tuple[Phase, Step], Phase] = {
+    **{(phase, end): Phase.DONE for phase in Phase if phase is not Phase.DONE for end in (Step.CANCEL, Step.FAIL)},
     (Phase.CREATED, Step.ADD_ITEM): Phase.ITEM_OPEN,
     (Phase.CREATED, Step.FINISH): Phase.DONE,
     (Phase.ITEM_OPEN, Step.ADD_PART): Phase.PART_OPEN,
@@ -65,33 +67,7 @@ TRANSITIONS: dict[tuple[Phase, Step], Phase] = {
 }
 
 
-class LifecycleError(RuntimeError):
-    """A step the response's state table does not allow (a server bug, never a client's)."""
-
-
-@dataclass(slots=True)
-class ResponseParams:
-    """What a ``response.create`` (or a turn) asked for, settled against the session's config."""
-
-    in_conversation: bool
-    modalities: list[str]
-    voice: str
-    output_format: AudioFormat
-    instructions: str
-    max_output_tokens: int | str
-    temperature: float
-    input_items: list[se.Item] | None
-    metadata: dict[str, Any] | None
-    tools: list[dict[str, Any]] = field(default_factory=list)
-    tool_choice: Any = "auto"
-    #: Speaking rate (the session's ``audio.output.speed``).
-    speed: float = 1.0
-
-    @property
-    def token_limit(self) -> int:
-        """Most tokens the answer may have."""
-        limit = self.max_output_tokens
-        return min(limit, MAX_OUTPUT_TOKENS_CAP) if isinstance(limit, int) else DEFAULT_MAX_OUTPUT_TOKENS
+LIFECYCLE = Lifecycle("response", TRANSITIONS)
 
 
 class Response:
@@ -137,10 +113,7 @@ class Response:
         return self.params.token_limit
 
     def _step(self, step: Step) -> None:
-        nxt = TRANSITIONS.get((self.phase, step))
-        if nxt is None:
-            raise LifecycleError(f"response {self.id}: {step.value} is not allowed in phase {self.phase.value}")
-        self.phase = nxt
+        self.phase = LIFECYCLE.step(self.phase, step, self.id)
 
     def _ev(self, cls: type[se.E], ga_name: str, **fields: Any) -> se.E:
         return self.dialect.event(cls, ga_name, **fields)
@@ -231,11 +204,11 @@ class Response:
 
     def cancel(self, reason: str) -> list[se.ServerEvent]:
         """End ``cancelled`` (client or turn detection): its queued work becomes stale."""
-        return self._end("cancelled", {"type": "cancelled", "reason": reason})
+        return self._end(Step.CANCEL, "cancelled", {"type": "cancelled", "reason": reason})
 
     def fail(self, code: str, message: str) -> list[se.ServerEvent]:
         """End ``failed``; an ``error`` event tells the client why."""
-        events = self._end("failed", {"type": "failed", "error": {"type": "server_error", "code": code}})
+        events = self._end(Step.FAIL, "failed", {"type": "failed", "error": {"type": "server_error", "code": code}})
         if events:
             err = ProtocolError(code, message, type="server_error")
             events.append(
@@ -247,13 +220,13 @@ class Response:
             )
         return events
 
-    def _end(self, status: str, details: dict[str, Any]) -> list[se.ServerEvent]:
+    def _end(self, step: Step, status: str, details: dict[str, Any]) -> list[se.ServerEvent]:
         if self.done:
             return []
         # The scope closes first: nothing a stage still holds may follow response.done.
         self.scope.close(status)
         events = self._close_message("incomplete")
-        self.phase = Phase.DONE
+        self._step(step)
         self.status = status
         events.append(self._ev(se.ResponseEvent, "response.done", response=self.render(details)))
         return events

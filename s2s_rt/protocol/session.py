@@ -17,9 +17,6 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from msgspec import UNSET
-
-from s2s_rt.audio import AudioFormat, AudioFormatError
 from s2s_rt.engines.base import ChatMessage
 from s2s_rt.protocol import client_events as ce
 from s2s_rt.protocol import server_events as se
@@ -27,20 +24,13 @@ from s2s_rt.protocol.config import (
     SessionConfig,
     Transcription,
     apply_update,
-    check_max_tokens,
-    check_modalities,
-    check_temperature,
-    check_tool_choice,
-    check_tools,
-    check_voice,
-    checked,
-    parse_format,
     render,
 )
 from s2s_rt.protocol.conversation import Conversation
 from s2s_rt.protocol.errors import ProtocolError
 from s2s_rt.protocol.prompt import build_prompt
-from s2s_rt.protocol.response import Response, ResponseParams
+from s2s_rt.protocol.response import Response
+from s2s_rt.protocol.response_params import ResponseParams, settle
 from s2s_rt.protocol.server_events import new_id, snapshot
 from s2s_rt.scope import Scope
 
@@ -369,70 +359,10 @@ class Session:
                 f"Response {self.response.id} is still in progress; cancel it or wait for response.done",
                 event_id=event_id,
             )
-        settled = self._response_params(params or ce.ResponseIn(), event_id)
+        settled = settle(self.config, self.voices, params or ce.ResponseIn(), event_id, self._input_item)
         self.turns += 1
         self.response = r = Response(settled, self.dialect, self.conversation, Scope("response", parent=self.scope))
         return [r.created()]
-
-    def _response_params(self, p: ce.ResponseIn, event_id: str | None) -> ResponseParams:
-        cfg = self.config
-
-        def fail(code: str, message: str, param: str) -> ProtocolError:
-            return ProtocolError(code, message, param=f"response.{param}", event_id=event_id)
-
-        conversation = p.conversation if isinstance(p.conversation, str) else "auto"
-        if conversation not in ("auto", "none"):
-            raise fail("invalid_value", "conversation must be 'auto' or 'none'", "conversation")
-        modalities = cfg.output_modalities
-        for name in ("modalities", "output_modalities"):
-            mods = getattr(p, name)
-            if mods is not UNSET:
-                modalities = checked(check_modalities, mods, fail, name)
-        voice = cfg.voice
-        if p.voice is not UNSET:
-            voice = check_voice(self.voices, str(p.voice), event_id, "response.voice")
-        fmt = cfg.output_format
-        try:
-            if p.output_audio_format is not UNSET:
-                fmt = AudioFormat.parse(str(p.output_audio_format))
-            if isinstance(p.audio, ce.ResponseAudioIn) and isinstance(p.audio.output, ce.ResponseAudioOutputIn):
-                if p.audio.output.format is not UNSET and p.audio.output.format is not None:
-                    fmt = parse_format(p.audio.output.format)
-                if isinstance(p.audio.output.voice, str):
-                    voice = check_voice(self.voices, p.audio.output.voice, event_id, "response.audio.output.voice")
-        except AudioFormatError as exc:
-            raise ProtocolError(
-                "unsupported_audio_format", str(exc), param="response.audio.output.format", event_id=event_id
-            ) from None
-        max_tokens = cfg.max_output_tokens
-        for name in ("max_output_tokens", "max_response_output_tokens"):
-            value = getattr(p, name)
-            if value is not UNSET:
-                max_tokens = checked(check_max_tokens, value, fail, name)
-        inputs = None
-        if isinstance(p.input, list):
-            inputs = [self._input_item(i, event_id) for i in p.input]
-        tools = cfg.tools if not isinstance(p.tools, list) else check_tools(p.tools, fail)
-        tool_choice = cfg.tool_choice if p.tool_choice is UNSET or p.tool_choice is None else p.tool_choice
-        check_tool_choice(tool_choice, tools, fail)
-        return ResponseParams(
-            in_conversation=conversation == "auto",
-            modalities=modalities,
-            voice=voice,
-            output_format=fmt,
-            instructions=p.instructions if isinstance(p.instructions, str) else cfg.instructions,
-            max_output_tokens=max_tokens,
-            temperature=(
-                cfg.temperature
-                if not isinstance(p.temperature, (int, float))
-                else check_temperature(p.temperature, fail)
-            ),
-            input_items=inputs,
-            metadata=p.metadata if isinstance(p.metadata, dict) else None,
-            tools=tools,
-            tool_choice=tool_choice,
-            speed=cfg.speed,
-        )
 
     def _input_item(self, src: ce.ItemIn, event_id: str | None) -> se.Item:
         """An item of ``response.input``: a new item, or a reference to one in the conversation."""
@@ -490,7 +420,7 @@ class Session:
 
     def next_prompt(self) -> tuple[list[ChatMessage], ResponseParams]:
         """What the next default response would read before a new turn: the conversation so far, and its settings."""
-        params = self._response_params(ce.ResponseIn(), None)
+        params = settle(self.config, self.voices, ce.ResponseIn(), None, self._input_item)
         items = [self.conversation.items[i] for i in self.conversation.order]
         return build_prompt(params.instructions, items, self.conversation), params
 

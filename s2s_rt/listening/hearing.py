@@ -1,0 +1,208 @@
+"""Hearing: every session's new audio decoded, resampled and scored by the VAD, in one batch per tick.
+
+:func:`hear` runs in the VAD's worker thread on what the clock took from
+each session's inbox (:class:`AudioBytes`); :class:`SessionAudio` is what
+the clock keeps about one session's audio between ticks. Nothing here knows
+about turns, responses or slots.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import numpy as np
+
+from s2s_rt.audio import AudioFormat, AudioFormatError, Resampler
+from s2s_rt.engines.base import PIPELINE_RATE, VAD, Float32Array
+from s2s_rt.scope import Scope
+
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class AudioBytes:
+    """Input audio as the client sent it (base64 already undone), with its format and arrival time."""
+
+    scope: Scope
+    #: A large append is heard in slices: views of its bytes, never copies.
+    data: bytes | memoryview
+    format: AudioFormat
+    received: float = field(default_factory=time.monotonic)
+    #: The append's ``event_id``, for an error about it.
+    event_id: str | None = None
+
+    def seconds(self) -> float:
+        return len(self.data) / (self.format.rate * self.format.bytes_per_sample)
+
+    def split(self, seconds: float) -> tuple[AudioBytes, AudioBytes]:
+        """The first ``seconds`` (whole samples, at least one) and the rest, both views of the same bytes.
+
+        The rest counts as received now: that it waits is the slicing's doing, not lateness of the clock
+        (an upload's last slice must not read as audio kept waiting since the append arrived).
+        """
+        step = self.format.bytes_per_sample
+        cut = max(step, int(seconds * self.format.rate) * step)
+        view = memoryview(self.data)
+        return (
+            AudioBytes(self.scope, view[:cut], self.format, self.received, self.event_id),
+            AudioBytes(self.scope, view[cut:], self.format, time.monotonic(), self.event_id),
+        )
+
+
+class SessionAudio:
+    """One session's audio on its way to the VAD. Only the listening clock (and the receive path, appending) touches it.
+
+    Args:
+        scope: the session's scope: once stale, nothing more is heard.
+        vad_state: the VAD's state for this session's stream.
+        input_format: the format audio arrives in now.
+        scoring: whether the VAD scores it (turn detection is on).
+    """
+
+    def __init__(self, scope: Scope, vad_state: Any, input_format: AudioFormat, scoring: bool = True) -> None:
+        self.scope = scope
+        self.vad_state = vad_state
+        #: Raw audio and commands in arrival order, waiting for the clock.
+        self.inbox: collections.deque[Any] = collections.deque()
+        #: Bytes of raw audio in the inbox.
+        self.inbox_bytes = 0
+        #: Closed for falling behind: nothing more is heard.
+        self.closing = False
+        self.scoring = scoring
+        self.format = input_format
+        self.resampler = Resampler(input_format.rate, PIPELINE_RATE)
+        #: Samples not yet a whole VAD window, carried to the next tick.
+        self.pending = np.zeros(0, np.float32)
+
+    def backlog_s(self, now: float) -> float:
+        """How long the oldest audio not yet heard has waited."""
+        for item in self.inbox:
+            if isinstance(item, AudioBytes):
+                return now - item.received
+        return 0.0
+
+    def inbox_audio_s(self) -> float:
+        """Seconds of audio waiting in the inbox."""
+        return sum(item.seconds() for item in self.inbox if isinstance(item, AudioBytes))
+
+
+class EngineUnavailable(Exception):
+    """The VAD call for a whole batch failed: not any one session's doing."""
+
+
+@dataclass(slots=True)
+class Heard:
+    """What the worker made of one session's new audio."""
+
+    samples: Float32Array
+    probabilities: Float32Array
+    error: Exception | None = None
+
+
+def _resample_each(audio: SessionAudio, segments: list[AudioBytes]) -> Float32Array:
+    """A session's new audio whose format changed within it: each piece with the resampler of its format."""
+    parts = []
+    for seg in segments:
+        if seg.format != audio.format:
+            audio.format = seg.format
+            audio.resampler = Resampler(seg.format.rate, PIPELINE_RATE)
+        parts.append(audio.resampler.process(seg.format.decode(seg.data)))
+    return parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else NOTHING
+
+
+NOTHING = np.zeros(0, np.float32)
+
+
+def timed(fn: Callable[..., T], *args: Any) -> tuple[T, float]:
+    """``fn(*args)`` and the seconds it took (in the thread that runs it)."""
+    start = time.perf_counter()
+    result = fn(*args)
+    return result, time.perf_counter() - start
+
+
+def hear(vad: VAD, work: Sequence[tuple[SessionAudio, list[AudioBytes], bool]]) -> list[Heard]:
+    """Decode, resample and score every session's new audio (runs in the VAD worker thread).
+
+    The work is done for groups of sessions, not one by one: sessions whose
+    new audio has one format and length share one decode and one resampling
+    product per phase; those whose unwindowed rest has one length share one
+    cut into VAD windows; and all sessions' windows of one step go to the
+    VAD in one batched call. A session's own windows are scored in order,
+    since the model carries state from one to the next.
+    """
+    chunk = vad.chunk_samples
+    heard: list[Heard | None] = [None] * len(work)
+    samples: list[Float32Array] = [NOTHING] * len(work)
+    # 1. Decode and resample, a group of one format and byte length at a time.
+    same: dict[tuple[AudioFormat, int], list[int]] = {}
+    data: list[bytes | memoryview] = [b""] * len(work)
+    for i, (ls, segments, _) in enumerate(work):
+        fmt = ls.format
+        if all(seg.format is fmt or seg.format == fmt for seg in segments):
+            data[i] = segments[0].data if len(segments) == 1 else b"".join([seg.data for seg in segments])
+            same.setdefault((fmt, len(data[i])), []).append(i)
+            continue
+        try:
+            samples[i] = _resample_each(ls, segments)
+        except AudioFormatError as exc:  # checked on arrival; a bug if it happens here
+            heard[i] = Heard(NOTHING, NOTHING, exc)
+    for (fmt, _), members in same.items():
+        try:
+            block = fmt.decode(b"".join([data[i] for i in members])).reshape(len(members), -1)
+        except AudioFormatError as exc:  # checked on arrival; a bug if it happens here
+            for i in members:
+                heard[i] = Heard(NOTHING, NOTHING, exc)
+            continue
+        resampled = Resampler.process_block([work[i][0].resampler for i in members], block)
+        for i, out in zip(members, resampled, strict=True):
+            samples[i] = out
+    # 2. Cut windows, a group of one rest length and one new length at a time.
+    cuts: dict[tuple[int, int], list[int]] = {}
+    for i, (ls, _, score) in enumerate(work):
+        if heard[i] is not None:
+            continue
+        if not score:
+            heard[i] = Heard(samples[i], NOTHING)
+            continue
+        cuts.setdefault((len(ls.pending), len(samples[i])), []).append(i)
+    steps: list[tuple[list[int], Float32Array]] = []  # members, their windows (G, n, chunk)
+    for (rest, new), members in cuts.items():
+        joined = np.stack([samples[i] for i in members])
+        if rest:
+            joined = np.concatenate([np.stack([work[i][0].pending for i in members]), joined], axis=1)
+        n = (rest + new) // chunk
+        probabilities = np.zeros((len(members), n), np.float32)
+        for row, i in enumerate(members):
+            work[i][0].pending = joined[row, n * chunk :]
+            heard[i] = Heard(samples[i], probabilities[row])
+        if n:
+            steps.append((members, joined[:, : n * chunk].reshape(len(members), n, chunk)))
+    # 3. Score: step k holds the k-th window of every session that has one. If a step fails, each of its
+    # sessions is scored alone: a failure that one session's audio causes is that session's alone.
+    failed: set[int] = set()
+    for k in range(max((w.shape[1] for _, w in steps), default=0)):
+        now = [(members, w) for members, w in steps if w.shape[1] > k]
+        if failed:  # sessions whose audio failed are not scored again
+            now = [(m, w[[r for r, i in enumerate(m) if i not in failed]]) for m, w in now]
+            now = [([i for i in m if i not in failed], w) for m, w in now if len(w)]
+            if not now:
+                break
+        rows = [i for members, _ in now for i in members]
+        chunks = np.concatenate([w[:, k] for _, w in now])
+        try:
+            probs = vad.speech_probabilities(chunks, [work[i][0].vad_state for i in rows])
+        except Exception:
+            for j, i in enumerate(rows):
+                try:
+                    heard[i].probabilities[k] = vad.speech_probabilities(chunks[j : j + 1], [work[i][0].vad_state])[0]  # type: ignore[union-attr]
+                except Exception as exc:
+                    heard[i].error = exc  # type: ignore[union-attr]
+                    failed.add(i)
+            continue
+        for i, p in zip(rows, probs.tolist(), strict=True):
+            heard[i].probabilities[k] = p  # type: ignore[union-attr]
+    return heard  # type: ignore[return-value]
