@@ -26,7 +26,7 @@ def run_copies(opts: argparse.Namespace) -> dict[str, Any]:
     from s2s_rt.audio import pcm16_to_float, resample
     from s2s_rt.config import Config
     from s2s_rt.engines.base import PIPELINE_RATE, ChatMessage, LLMUsage, Stack
-    from s2s_rt.server import load_stack
+    from s2s_rt.server.stack import load_stack
 
     def exercise(stack: Stack, speech: Any) -> None:
         chunks = np.zeros((4, stack.vad.chunk_samples), np.float32)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from websockets.protocol import State
@@ -20,8 +22,40 @@ class Pool:
 
     def __init__(self, slots: list[Slot]) -> None:
         self.slots = slots
+        #: Set when a session or a response of any slot ends.
+        self.changed = asyncio.Event()
+        for slot in slots:
+            slot.on_change.append(self.changed.set)
 
-    def claim(self) -> Slot | None:
+    async def claim(
+        self, admits: Callable[[], bool], wait_s: float, refusing: Callable[[], bool] = lambda: False
+    ) -> Slot | None:
+        """A free slot, or one about to be free; None when there is none, or listening cannot take one more.
+
+        A load balancer counts a session as gone when its TCP connection
+        closes, a moment before the slot has drained. A client sent in that
+        gap waits (up to ``wait_s``) for the draining slot instead of being
+        refused. ``admits`` is asked again after such a wait (others may
+        have been admitted meanwhile); once ``refusing`` (the server stops
+        taking sessions), nothing is waited for.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        while True:
+            if not admits():
+                return None
+            slot = self.take_idle()
+            # A slot whose client has closed (the server has not ended its session yet) is about to drain.
+            if slot is not None or not self.freeing() or refusing():
+                return slot
+            self.changed.clear()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await self.changed.wait()
+            except TimeoutError:
+                return self.take_idle() if admits() else None
+
+    def take_idle(self) -> Slot | None:
         """Take the first idle slot, or None when every slot is busy.
 
         There is no ``await`` between finding the slot and marking it active,

@@ -31,7 +31,7 @@ from websockets.asyncio.server import ServerConnection
 from websockets.frames import Frame, Opcode
 from websockets.protocol import Event
 
-log = logging.getLogger("s2s_rt.server")
+log = logging.getLogger(__name__)
 
 #: Frames parsed per turn of the event loop for one connection, at most (a slice may add a few).
 #: At some 10 µs a frame (parsed and refused), a flooding client holds the loop well under a millisecond.

@@ -1,0 +1,15 @@
+"""The server: one ``websockets`` asyncio server, the pool, and HTTP on the same port.
+
+- :mod:`~s2s_rt.server.lifecycle`: :class:`Server`, which keeps only the lifecycle (start, serve, drain, stop).
+- :mod:`~s2s_rt.server.stack`: loading the engines the config names.
+- :mod:`~s2s_rt.server.pool`: the slots, and :meth:`~s2s_rt.server.pool.Pool.claim`.
+- :mod:`~s2s_rt.server.handshake`: session paths, API keys, subprotocols, client addresses.
+- :mod:`~s2s_rt.server.http`: health, readiness, the pool, metrics, drain, the browser page.
+- :mod:`~s2s_rt.server.connection`: one connection's life, its rate limits and deadlines.
+- :mod:`~s2s_rt.server.direct`: the socket's direct route for audio appends.
+- :mod:`~s2s_rt.server.state`: what the connections and routes may ask of the server.
+"""
+
+from s2s_rt.server.lifecycle import Server
+
+__all__ = ["Server"]

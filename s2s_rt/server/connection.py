@@ -1,0 +1,355 @@
+"""One connection's life: refused or given a slot, its frames fed in under rate limits, its deadlines kept."""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import time
+
+from websockets.asyncio.server import ServerConnection
+from websockets.exceptions import ConnectionClosed, ConnectionClosedOK
+
+from s2s_rt.config import Config
+from s2s_rt.engines.base import Stack
+from s2s_rt.metrics import Metrics
+from s2s_rt.pipeline.outbox import close_quickly
+from s2s_rt.protocol.errors import ProtocolError
+from s2s_rt.protocol.server_events import BETA, GA, encode_event
+from s2s_rt.protocol.session import Session
+from s2s_rt.server.direct import DirectConnection
+from s2s_rt.server.handshake import asked_model, client_host, peer, wants_beta, wants_transcription
+from s2s_rt.server.pool import Pool
+from s2s_rt.server.state import Serving
+from s2s_rt.slot import Slot
+
+log = logging.getLogger(__name__)
+
+
+def mib(mib: float) -> int:
+    return int(mib * 1024 * 1024)
+
+
+class Connections:
+    """Every connection of the server: per-address counts, the claim of a slot, the receive loop.
+
+    Args:
+        server: whether it takes sessions.
+        pool: the slots.
+        stack: the engines (their voices, for new sessions).
+    """
+
+    def __init__(self, config: Config, metrics: Metrics, server: Serving, pool: Pool, stack: Stack) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.server = server
+        self.pool = pool
+        self.stack = stack
+        self.per_ip: dict[str, int] = {}
+        self.trusted = [ipaddress.ip_network(p, strict=False) for p in config.trusted_proxies]
+
+    async def handle(self, ws: ServerConnection) -> None:
+        """Serve one connection, from its handshake to its close."""
+        host = client_host(ws, self.trusted)
+        self.per_ip[host] = self.per_ip.get(host, 0) + 1
+        try:
+            await self._serve_connection(ws, host)
+        finally:
+            self.per_ip[host] -= 1
+            if not self.per_ip[host]:
+                del self.per_ip[host]
+
+    async def _refuse(self, ws: ServerConnection, code: str, text: str, close_code: int) -> None:
+        self.metrics.rejections.inc(reason=code)
+        self.metrics.errors.inc(code=code)
+        dialect = BETA if wants_beta(ws.request) else GA
+        err = Session(dialect).error(ProtocolError(code, text, type="server_error"))
+        try:
+            await ws.send(encode_event(err), text=True)
+            await ws.close(close_code, code.replace("_", " "))
+        except ConnectionClosed:
+            pass
+
+    async def _serve_connection(self, ws: ServerConnection, host: str) -> None:
+        cfg = self.config
+        if cfg.max_connections_per_ip and self.per_ip[host] > cfg.max_connections_per_ip:
+            text = f"At most {cfg.max_connections_per_ip} concurrent connections per client address"
+            await self._refuse(ws, "too_many_connections", text, 1008)
+            return
+        server = self.server
+        slot = (
+            None
+            if server.closing or server.draining
+            else await self.pool.claim(
+                server.admits, min(cfg.drain_deadline_s, 2.0), lambda: server.closing or server.draining
+            )
+        )
+        if slot is None:
+            if server.closing or server.draining:
+                await self._refuse(ws, "shutting_down", "The server is not taking new sessions", 1013)
+            elif not server.admits():
+                # Refused before the admitted sessions degrade.
+                text = "The server is at capacity (listening to one more session would make every one late)"
+                await self._refuse(ws, "session_limit_reached", f"{text}; try again later", 1013)
+            else:
+                text = f"All {len(self.pool.slots)} sessions are in use; try again later"
+                await self._refuse(ws, "session_limit_reached", text, 1013)
+            return
+        # From the claim on, whatever happens, the slot is handed back.
+        started = time.monotonic()
+        host, port = client_host(ws, self.trusted), peer(ws)[1]
+        client = f"{host}:{port}" if port is not None and host == peer(ws)[0] else host
+        session: Session | None = None
+        reason = "client closed"
+        try:
+            dialect = BETA if wants_beta(ws.request) else GA
+            session = Session(
+                dialect,
+                self.stack.tts.voices,
+                max_conversation_bytes=mib(cfg.max_conversation_mib),
+                transcription_only=wants_transcription(ws.request),
+                model=asked_model(ws.request),
+            )
+            self.metrics.sessions_total.inc()
+            await slot.attach(ws, session, client)
+            log.info(
+                "session %s started on slot %d for %s (%s)",
+                session.id,
+                slot.index,
+                client,
+                "beta" if dialect.beta else "GA",
+                extra={
+                    "fields": {"event": "session_start", "session": session.id, "slot": slot.index, "client": client}
+                },
+            )
+            reason = await self._receive_loop(ws, slot) or reason
+        except ConnectionClosedOK:
+            reason = "client closed"
+        except ConnectionClosed:
+            reason = "connection lost"
+        except Exception:
+            reason = "internal error"
+            log.exception("slot %d: error while handling a session", slot.index)
+            await close_quickly(ws, 1011, "internal error")
+        finally:
+            if ws.close_code not in (None, 1000, 1001, 1005) and reason == "client closed":
+                reason = f"closed with {ws.close_code}"
+            clean = await slot.end_session()
+            session_id = session.id if session is not None else None
+            turns = session.turns if session is not None else 0
+            log.info(
+                "session %s ended on slot %d: %s after %.1f s, %d turns%s",
+                session_id,
+                slot.index,
+                reason,
+                time.monotonic() - started,
+                turns,
+                "" if clean else " (slot quarantined)",
+                extra={
+                    "fields": {
+                        "event": "session_end",
+                        "session": session_id,
+                        "slot": slot.index,
+                        "client": client,
+                        "duration_s": round(time.monotonic() - started, 3),
+                        "turns": turns,
+                        "reason": reason,
+                        "quarantined": not clean,
+                    }
+                },
+            )
+
+    async def _receive_loop(self, ws: ServerConnection, slot: Slot) -> str | None:
+        """Feed the client's frames to its slot until the socket closes or a limit ends the session.
+
+        One watchdog per connection keeps its deadlines (session length,
+        idleness, a client that stopped reading), so a message costs no timer.
+
+        Returns:
+            Why the session ended, when a limit ended it.
+        """
+        cfg = self.config
+        loop = asyncio.get_running_loop()
+        budget = EventBudget(cfg.max_events_per_s, cfg.max_events_burst)
+        refusals = Refusals()
+        activity = Activity(loop.time())
+        assert isinstance(ws, DirectConnection)  # serve() makes every connection one
+        watchdog = asyncio.create_task(self._watch(ws, slot, activity), name=f"slot{slot.index}-watchdog")
+
+        def direct(data: bytes | bytearray | memoryview) -> bool:
+            # An append is handled as its frame is parsed: no task wakes per message.
+            now = loop.time()
+            activity.last = now
+            if not budget.take(now):
+                # Refused as it is parsed, undecoded: a flood's frames cost a count each, not a
+                # trip through the queue and recv(), and the connection's next frames are read
+                # later (see DirectConnection.refusing). The usual way sends the notice and closes.
+                ws.refusing()
+                return refusals.refuse_quietly(now, cfg.flood_close_s)
+            if refusals.unreported:
+                budget.give_back()
+                return False  # a notice is owed first: the usual way sends it
+            # Not UTF-8 is not valid JSON either: declined, and the usual way closes with 1007.
+            if not slot.dispatch.receive_now(data):
+                budget.give_back()
+                return False
+            refusals.accepted(now)
+            return True
+
+        ws.direct = direct
+        try:
+            async for message in ws:
+                # From here until it is handled, nothing may overtake it on the direct route.
+                with ws.handling():
+                    if await self._one_message(slot, message, loop.time(), activity, budget, refusals):
+                        return "flood"
+                    if refusals.unreported:
+                        ws.refusing()  # refused the usual way: the connection's next frames wait too
+        finally:
+            ws.direct = None
+            # The watchdog is owned here: it ends with the connection, and is waited for.
+            watchdog.cancel()
+            await asyncio.wait((watchdog,))
+        if watchdog.cancelled():
+            return None
+        return watchdog.result()
+
+    async def _one_message(
+        self, slot: Slot, message: str | bytes, now: float, activity: Activity, budget: EventBudget, refusals: Refusals
+    ) -> bool:
+        """Handle one message that came the usual way; True when the connection is flooding and was closed."""
+        cfg = self.config
+        activity.last = now
+        if budget.take(now):
+            unreported = refusals.accepted(now)
+            if unreported:
+                await self._refused(slot, unreported)
+            await slot.receive(message)
+            return False
+        # Refusing must cost less than the abuse: one notice a second, with a count.
+        unreported = refusals.refuse(now)
+        if unreported:
+            await self._refused(slot, unreported)
+        if refusals.flooding_for(now) >= cfg.flood_close_s:
+            text = f"Events were refused for {cfg.flood_close_s:g} s in a row; closing this connection"
+            await slot.end_with_error(ProtocolError("rate_limit_flood", text), 1008)
+            return True
+        return False
+
+    async def _refused(self, slot: Slot, count: int) -> None:
+        cfg = self.config
+        self.metrics.errors.inc(count - 1, code="rate_limit_exceeded")
+        await slot.error(
+            ProtocolError(
+                "rate_limit_exceeded",
+                f"Too many events: at most {cfg.max_events_per_s:g} per second (burst {cfg.max_events_burst});"
+                f" {count} event(s) were not processed since the last notice",
+            )
+        )
+
+    async def _watch(self, ws: ServerConnection, slot: Slot, activity: Activity) -> str:
+        """Sleep until the connection's next deadline; end the session when one has passed."""
+        cfg = self.config
+        loop = asyncio.get_running_loop()
+        expires = activity.last + cfg.max_session_s
+        while True:
+            idle_at = activity.last + cfg.idle_session_s if cfg.idle_session_s > 0 else expires
+            send_check = loop.time() + cfg.send_timeout_s
+            await asyncio.sleep(max(0.0, min(expires, idle_at, send_check) - loop.time()))
+            now = loop.time()
+            if slot.outbox.stuck_for() >= cfg.send_timeout_s:
+                # The client stopped reading and its buffers are full: close it
+                # (1008) rather than let its output pile up. Only this slot waits.
+                self.metrics.errors.inc(code="client_not_reading")
+                log.warning("slot %d: client %s stopped reading; closing it", slot.index, slot.outbox.client)
+                await close_quickly(ws, 1008, "client is not reading its events")
+                return "client not reading"
+            expired = now >= expires
+            if expired or (cfg.idle_session_s > 0 and now >= activity.last + cfg.idle_session_s):
+                text = (
+                    f"The session reached its maximum duration of {cfg.max_session_s:g} s"
+                    if expired
+                    else f"The session was idle for {cfg.idle_session_s:g} s"
+                )
+                await slot.end_with_error(ProtocolError("session_expired", text, type="invalid_request_error"), 1001)
+                return "expired" if expired else "idle"
+
+
+class Activity:
+    """When a connection last sent something (loop time)."""
+
+    __slots__ = ("last",)
+
+    def __init__(self, now: float) -> None:
+        self.last = now
+
+
+class Refusals:
+    """Events a connection had refused: when to tell it, and how long it has been flooding."""
+
+    __slots__ = ("flood_since", "last_notice", "last_refusal", "unreported")
+
+    def __init__(self) -> None:
+        self.unreported = 0
+        self.last_notice: float | None = None
+        self.last_refusal = 0.0
+        self.flood_since: float | None = None
+
+    def refuse(self, now: float) -> int:
+        """Count a refusal; returns how many to report now (0: not yet, one notice a second)."""
+        self.unreported += 1
+        self.last_refusal = now
+        if self.flood_since is None:
+            self.flood_since = now
+        if self.last_notice is None or now - self.last_notice >= 1.0:
+            n, self.unreported, self.last_notice = self.unreported, 0, now
+            return n
+        return 0
+
+    def refuse_quietly(self, now: float, close_after_s: float) -> bool:
+        """Count a refusal that needs nothing said or done now; False (not counted) if a notice or the close is due."""
+        if self.last_notice is None or now - self.last_notice >= 1.0:
+            return False
+        if self.flood_since is not None and now - self.flood_since >= close_after_s:
+            return False
+        self.unreported += 1
+        self.last_refusal = now
+        if self.flood_since is None:
+            self.flood_since = now
+        return True
+
+    def accepted(self, now: float) -> int:
+        """Count an accepted event; returns refusals not yet reported that are due now (else 0)."""
+        # A second without refusals ends a flood; an event let through now and then does not.
+        if self.flood_since is not None and now - self.last_refusal >= 1.0:
+            self.flood_since = None
+        if self.unreported and self.last_notice is not None and now - self.last_notice >= 1.0:
+            n, self.unreported, self.last_notice = self.unreported, 0, now
+            return n
+        return 0
+
+    def flooding_for(self, now: float) -> float:
+        return 0.0 if self.flood_since is None else now - self.flood_since
+
+
+class EventBudget:
+    """A token bucket: ``rate`` events per second on average, ``burst`` at once."""
+
+    def __init__(self, rate: float, burst: int) -> None:
+        self.rate = rate
+        self.burst = float(burst)
+        self.tokens = float(burst)
+        self.last: float | None = None
+
+    def give_back(self) -> None:
+        """Return the token of an event taken but not handled here (it will be taken again)."""
+        self.tokens = min(self.burst, self.tokens + 1.0)
+
+    def take(self, now: float) -> bool:
+        if self.last is not None:
+            self.tokens = min(self.burst, self.tokens + (now - self.last) * self.rate)
+        self.last = now
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return True
+        return False

@@ -1,0 +1,160 @@
+"""The WebSocket handshake: which paths are sessions, API keys, subprotocols, and who the client is.
+
+Everything here reads the HTTP request of a handshake (or of a plain HTTP
+request on the same port) and decides nothing about sessions or slots.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import urllib.parse
+from collections.abc import Sequence
+from http import HTTPStatus
+
+from websockets.asyncio.server import ServerConnection
+from websockets.datastructures import Headers
+from websockets.http11 import Request, Response
+from websockets.typing import Subprotocol
+
+from s2s_rt.config import Config
+from s2s_rt.metrics import Metrics
+
+REALTIME_PATHS = ("/v1/realtime", "/realtime")
+BETA_SUBPROTOCOL = "openai-beta.realtime-v1"
+KEY_SUBPROTOCOL = "openai-insecure-api-key."
+
+
+def check(config: Config, metrics: Metrics, request: Request, shutting: bool) -> Response | None:
+    """A handshake on a session path: the refusal to send, or None to let it open.
+
+    Args:
+        shutting: the server is closing or draining (no new sessions).
+    """
+    if shutting:
+        metrics.rejections.inc(reason="draining")
+        return plain(HTTPStatus.SERVICE_UNAVAILABLE, "draining: no new sessions\n")
+    if not authorized(config.api_keys, request):
+        metrics.rejections.inc(reason="unauthorized")
+        return unauthorized()
+    origins = request.headers.get_all("Origin")
+    if len(origins) > 1:
+        metrics.rejections.inc(reason="origin")
+        return plain(HTTPStatus.BAD_REQUEST, "more than one Origin header\n")
+    origin = origins[0] if origins else None
+    if config.allowed_origins and origin is not None and origin not in config.allowed_origins:
+        metrics.rejections.inc(reason="origin")
+        return plain(HTTPStatus.FORBIDDEN, f"origin {origin} is not allowed\n")
+    return None
+
+
+def authorized(keys: Sequence[str], request: Request, *, subprotocol: bool = True) -> bool:
+    """Whether the request carries one of ``keys`` (always, when there are none).
+
+    Args:
+        subprotocol: also accept the browser's ``openai-insecure-api-key.KEY`` subprotocol
+            (handshakes only; plain HTTP requests must send ``Authorization``).
+    """
+    if not keys:
+        return True
+    offered: list[str] = []
+    for auth in request.headers.get_all("Authorization"):
+        if auth[:7].lower() == "bearer ":
+            offered.append(auth[7:].strip())
+    for header in request.headers.get_all("Sec-WebSocket-Protocol") if subprotocol else ():
+        for proto in header.split(","):
+            proto = proto.strip()
+            if proto.startswith(KEY_SUBPROTOCOL):
+                offered.append(proto[len(KEY_SUBPROTOCOL) :])
+    # Compare every offered key with every configured one, in constant time.
+    ok = False
+    for candidate in offered:
+        for key in keys:
+            ok |= hmac.compare_digest(candidate.encode(), key.encode())
+    return ok
+
+
+def unauthorized() -> Response:
+    response = plain(HTTPStatus.UNAUTHORIZED, "missing or wrong API key\n")
+    response.headers["WWW-Authenticate"] = 'Bearer realm="s2s-rt"'
+    return response
+
+
+def plain(status: HTTPStatus, body: str, content_type: str = "text/plain; charset=utf-8") -> Response:
+    """An HTTP response with ``body`` (never cached)."""
+    data = body.encode()
+    headers = Headers(
+        [("Content-Type", content_type), ("Content-Length", str(len(data))), ("Cache-Control", "no-store")]
+    )
+    return Response(status.value, status.phrase, headers, data)
+
+
+def select_subprotocol(connection: ServerConnection, subprotocols: Sequence[Subprotocol]) -> Subprotocol | None:
+    # Answer "realtime" only when offered; a client offering none is fine too.
+    return Subprotocol("realtime") if "realtime" in subprotocols else None
+
+
+def wants_beta(request: Request | None) -> bool:
+    if request is None:
+        return False
+    # A header may come more than once; get() would raise on that.
+    if any("realtime=v1" in value for value in request.headers.get_all("OpenAI-Beta")):
+        return True
+    offered = ",".join(request.headers.get_all("Sec-WebSocket-Protocol"))
+    return BETA_SUBPROTOCOL in [p.strip() for p in offered.split(",")]
+
+
+def asked_model(request: Request | None) -> str | None:
+    """The ``?model=`` a client connected with (None: none)."""
+    if request is None or "?" not in request.path:
+        return None
+    asked = urllib.parse.parse_qs(request.path.split("?", 1)[1]).get("model")
+    return asked[0] if asked else None
+
+
+def wants_transcription(request: Request | None) -> bool:
+    """``?intent=transcription`` on the URL: a transcription session (as OpenAI's)."""
+    if request is None or "?" not in request.path:
+        return False
+    query = urllib.parse.parse_qs(request.path.split("?", 1)[1])
+    return "transcription" in query.get("intent", [])
+
+
+def is_loopback(connection: ServerConnection) -> bool:
+    addr = connection.remote_address
+    host = addr[0] if isinstance(addr, tuple) else str(addr)
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def peer(ws: ServerConnection) -> tuple[str, int | None]:
+    addr = ws.remote_address
+    if isinstance(addr, tuple) and len(addr) >= 2:
+        return str(addr[0]), int(addr[1])
+    return str(addr), None
+
+
+def client_host(ws: ServerConnection, trusted: Sequence[ipaddress.IPv4Network | ipaddress.IPv6Network]) -> str:
+    """The client's address: the peer's, or, behind a trusted proxy, the one it forwarded for.
+
+    ``X-Forwarded-For`` is read from the right, skipping trusted proxies; the
+    header of a peer that is not a trusted proxy is ignored (anyone can send it).
+    """
+    host, _ = peer(ws)
+    if not trusted or not _in(host, trusted) or ws.request is None:
+        return host
+    hops = [h.strip() for v in ws.request.headers.get_all("X-Forwarded-For") for h in v.split(",") if h.strip()]
+    for hop in reversed(hops):
+        if not _in(hop, trusted):
+            return hop
+    return hops[0] if hops else host
+
+
+def _in(host: str, networks: Sequence[ipaddress.IPv4Network | ipaddress.IPv6Network]) -> bool:
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return any(ip in net for net in networks)
