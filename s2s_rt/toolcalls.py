@@ -16,10 +16,16 @@ name and JSON arguments, validated by :func:`schema_errors`.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+
+def frame(call: str) -> str:
+    """A call (its JSON, ``{"name": …, "arguments": …}``) as the model writes it: between the tags."""
+    return f"{OPEN}\n{call}\n{CLOSE}"
 
 
 @dataclass(slots=True)
@@ -182,3 +188,98 @@ def offered_tools(tools: list[dict[str, Any]], tool_choice: Any) -> tuple[list[d
         name = tool_choice.get("name") or (tool_choice.get("function") or {}).get("name")
         return [t for t in tools if t.get("name") == name], True
     return tools, tool_choice == "required"
+
+
+class CallFraming:
+    """Puts ``<tool_call>`` tags around a call the model wrote without them.
+
+    Small models offered tools often answer a call as bare JSON
+    (``{"name": "get_weather", "arguments": {…}}``), in a code fence, in
+    bold, or in tags of their own (``<tools>``); the server finds calls by
+    their tags. An answer that starts like JSON or markup (or is a required
+    call, begun in the prompt) is held back to its end and, if it holds a
+    JSON object with a ``name`` (closing braces the model forgot are
+    added), sent as one tagged call; any other answer streams through
+    untouched.
+    """
+
+    def __init__(self, required: bool) -> None:
+        self._required = required
+        self._held: list[str] = []
+        self._holding = required
+        self._passing = False
+
+    def feed(self, piece: str) -> str:
+        """Take one piece of the answer; return what may be sent now."""
+        if self._passing:
+            return piece
+        self._held.append(piece)
+        if self._holding:
+            return ""
+        start = "".join(self._held).lstrip()
+        if not start:
+            return ""
+        if start[0] in "{`<":
+            self._holding = True
+            return ""
+        self._passing = True
+        return self._release()
+
+    def finish(self) -> str:
+        """The answer ended: return what is still held, framed if a call."""
+        if not self._holding:
+            return self._release()
+        text = self._release()
+        if OPEN in text:
+            return text  # tagged already
+        call = json_object(text)
+        if call is not None and "name" in call[0]:
+            return frame(call[1])
+        # Not a call after all; a required one is still reported as a call, so
+        # the server can tell the model what is wrong with it.
+        return f"{OPEN}\n{text}" if self._required else text
+
+    def _release(self) -> str:
+        text, self._held = "".join(self._held), []
+        return text
+
+
+def json_object(text: str) -> tuple[dict[str, Any], str] | None:
+    """Return the first JSON object in ``text`` and its source, if any.
+
+    An object the text leaves open (a small model's call often lacks its
+    last brace, or ends it with a stray character) is closed.
+    """
+    decoder = json.JSONDecoder()
+    start = text.find("{")
+    while start >= 0:
+        try:
+            value, end = decoder.raw_decode(text, start)
+        except ValueError:
+            source = closed(re.sub(r"[^\w\]}\"]+$", "", text[start:].rstrip().removesuffix("```")))
+            try:
+                value = json.loads(source)
+            except ValueError:
+                start = text.find("{", start + 1)
+                continue
+            return (value, source) if isinstance(value, dict) else None
+        if isinstance(value, dict):
+            return value, text[start:end]
+        start = text.find("{", end)
+    return None
+
+
+def closed(text: str) -> str:
+    """``text`` with the brackets it leaves open closed (strings are skipped)."""
+    opened: list[str] = []
+    in_string = escaped = False
+    for char in text:
+        if in_string:
+            escaped, in_string = (False, True) if escaped else (char == "\\", char != '"')
+        elif char == '"':
+            in_string = True
+        elif char in "{[":
+            opened.append("}" if char == "{" else "]")
+        elif char in "}]" and opened:
+            opened.pop()
+    return text + ('"' if in_string else "") + "".join(reversed(opened))

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from s2s_rt.engines.llm import KEPT_STATE_TOLERANCE, MIN_KEPT_TOKENS, check_kept_state
+from s2s_rt.engines.kept_state import KEPT_STATE_TOLERANCE, MIN_KEPT_TOKENS, check_kept_state
 
 PROBE = list(range(100, 140))
 WHOLE = np.linspace(-20.0, 30.0, 50)

@@ -16,8 +16,11 @@ from pathlib import Path
 import pytest
 
 from s2s_rt.engines.base import ChatMessage, LLMUsage
-from s2s_rt.engines.llm import ChatML, CT2ChatLLM, _CallFraming, _TextStream
+from s2s_rt.engines.chat_formats import ChatML
+from s2s_rt.engines.llm import CT2ChatLLM
+from s2s_rt.engines.tokenizing import TextStream
 from s2s_rt.models import ModelError
+from s2s_rt.toolcalls import CallFraming
 
 pytestmark = pytest.mark.slow
 
@@ -156,7 +159,7 @@ def test_a_long_conversation_is_cut_to_fit_the_context(tiny_llm: CT2ChatLLM, mon
 def test_pieces_are_always_complete_utf8_text(default_llm: CT2ChatLLM) -> None:
     text = "Grüße — 東京 🙂👍 ok"
     ids = default_llm._tokenizer.encode_text(text)
-    stream = _TextStream(default_llm._tokenizer)
+    stream = TextStream(default_llm._tokenizer)
     pieces = [piece for piece in (stream.push(i) for i in ids) if piece]
     assert len(ids) > len(pieces)  # some tokens held back half a character
     assert "".join(pieces) == text
@@ -283,7 +286,7 @@ def test_a_required_call_is_begun_in_the_prompt(default_llm: CT2ChatLLM) -> None
 
 
 def _framed(pieces: list[str], required: bool = False) -> tuple[list[str], str]:
-    framing = _CallFraming(required)
+    framing = CallFraming(required)
     return [framing.feed(piece) for piece in pieces], framing.finish()
 
 
@@ -316,7 +319,7 @@ def test_a_required_call_in_bold_is_cleaned() -> None:
 
 def test_an_answer_whose_words_are_held_back_goes_first_only_for_its_first_tokens(tiny_llm: CT2ChatLLM) -> None:
     """A held-back answer (a tool call is never "heard" until it ends) must not hold every other answer."""
-    from s2s_rt.engines.llm import URGENT_TOKENS
+    from s2s_rt.engines.llm_turns import URGENT_TOKENS
 
     long = [ChatMessage("user", "Write a long story about a cat, at least 300 words.")]
     firsts: dict[str, float] = {}

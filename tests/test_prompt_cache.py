@@ -49,7 +49,8 @@ def test_answers_from_the_kept_state_are_the_answers_without_it(
     and nowhere else (the start-up check turns it off, with a warning); either way the answers are the same."""
     import numpy as np
 
-    from s2s_rt.engines.llm import KEPT_STATE_TOLERANCE, CT2ChatLLM
+    from s2s_rt.engines.kept_state import KEPT_STATE_TOLERANCE
+    from s2s_rt.engines.llm import CT2ChatLLM
     from s2s_rt.models import ensure_prepared
     from s2s_rt.spoken_answer import ANSWER_EXAMPLES, DEFAULT_INSTRUCTIONS, with_answer_context
 

@@ -42,6 +42,7 @@ from s2s_rt.engines.base import (
     StopCheck,
     Transcript,
 )
+from s2s_rt.toolcalls import frame
 
 _CONTROL = re.compile(r"\[\[(slow|block|fail)(?:\s+(\d+))?\]\]")
 #: What :func:`tool_call_tokens` cuts a call into: words, runs of spaces, and each other character alone.
@@ -196,7 +197,7 @@ def fake_tool_call(
                 args[prop] = True
             else:
                 args[prop] = after
-    return "<tool_call>\n" + json.dumps({"name": name, "arguments": args}) + "\n</tool_call>"
+    return frame(json.dumps({"name": name, "arguments": args}))
 
 
 def tool_call_tokens(call: str) -> list[str]:

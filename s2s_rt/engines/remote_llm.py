@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from s2s_rt.engines.base import ChatMessage, LLMError, LLMUsage, StopCheck
-from s2s_rt.toolcalls import CLOSE, OPEN, Call, ToolCallFilter, chat_tool
+from s2s_rt.toolcalls import Call, ToolCallFilter, chat_tool, frame
 
 if TYPE_CHECKING:
     from openai import AsyncOpenAI
@@ -349,7 +349,7 @@ def _split_calls(content: str) -> tuple[str, list[tuple[str, str]]]:
         except ValueError:
             call = None
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            text.append(f"{OPEN}\n{part.raw}\n{CLOSE}")
+            text.append(frame(part.raw))
             continue
         arguments = call.get("arguments", {})
         calls.append((call["name"], arguments if isinstance(arguments, str) else json.dumps(arguments)))
@@ -392,5 +392,5 @@ class _StreamedCalls:
                 value: Any = json.loads(arguments)
             except ValueError:
                 value = arguments  # parse_call reports it as invalid JSON, and the model may retry
-            out.append(f"{OPEN}\n{json.dumps({'name': call.name, 'arguments': value})}\n{CLOSE}")
+            out.append(frame(json.dumps({"name": call.name, "arguments": value})))
         return out

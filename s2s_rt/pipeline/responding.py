@@ -20,7 +20,7 @@ from s2s_rt.pipeline.work import CallOut, ResponseEnd, ResponseRequest, SessionE
 from s2s_rt.spoken_answer import with_answer_context
 from s2s_rt.toolcalls import Call as CallPart
 from s2s_rt.toolcalls import Text as TextPart
-from s2s_rt.toolcalls import ToolCallError, ToolCallFilter, offered_tools, parse_call
+from s2s_rt.toolcalls import ToolCallError, ToolCallFilter, frame, offered_tools, parse_call
 
 if TYPE_CHECKING:
     from s2s_rt.metrics import Metrics
@@ -171,7 +171,7 @@ class Responder:
                 raw, why = problems[0]
                 messages = [
                     *messages,
-                    ChatMessage("assistant", f"<tool_call>\n{raw}\n</tool_call>"),
+                    ChatMessage("assistant", frame(raw)),
                     ChatMessage("tool", f"Error: {why}. Call the function again with valid arguments."),
                 ]
                 continue

@@ -8,6 +8,7 @@ from typing import Any
 from s2s_rt.engines.base import ChatMessage
 from s2s_rt.protocol import server_events as se
 from s2s_rt.protocol.conversation import Conversation
+from s2s_rt.toolcalls import frame
 
 
 def build_prompt(instructions: str, items: list[se.Item], conversation: Conversation) -> list[ChatMessage]:
@@ -27,7 +28,7 @@ def build_prompt(instructions: str, items: list[se.Item], conversation: Conversa
                 messages.append(ChatMessage(item.role, text))
         elif item.type == "function_call":
             call = json.dumps({"name": item.name, "arguments": _json_or_text(item.arguments or "{}")})
-            messages.append(ChatMessage("assistant", f"<tool_call>\n{call}\n</tool_call>"))
+            messages.append(ChatMessage("assistant", frame(call)))
         elif item.type == "function_call_output":
             messages.append(ChatMessage("tool", item.output or ""))
     return messages

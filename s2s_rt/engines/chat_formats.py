@@ -1,0 +1,303 @@
+"""Chat formats: a conversation (and the functions offered) as a model's turn markup, in token ids.
+
+ChatML (Qwen), Llama 3, Gemma, Phi-3 and Mistral, recognised by the chat
+template a model directory ships, then by its vocabulary.
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from s2s_rt.engines.base import ChatMessage
+from s2s_rt.engines.tokenizing import Tokenizer
+from s2s_rt.models.errors import ModelError
+from s2s_rt.toolcalls import OPEN, chat_tool
+
+
+@dataclass(frozen=True, slots=True)
+class ChatPrompt:
+    """A conversation in a model's chat format, as token ids."""
+
+    #: One list of ids per turn, the answer's opening last; kept apart so
+    #: that the oldest turns can be dropped to fit the context.
+    turns: list[list[int]]
+    #: Leading turns never dropped (the system turn).
+    pinned: int
+
+
+class ChatFormat(abc.ABC):
+    """A chat model's turn markup, rendering a conversation as token ids.
+
+    What every format shares, as Qwen2.5's template does it:
+
+    - without a system message, the template's own default one (if any)
+      comes first; a format without a system role opens the first user
+      turn with the system text instead;
+    - offered tools are described in the system text in Qwen2.5's words
+      (the "Hermes" convention), for templates without a tools section too;
+      the model calls one by writing ``<tool_call>{json}</tool_call>``;
+    - consecutive ``tool`` messages (function results) form one user turn of
+      ``<tool_response>`` blocks;
+    - a required call is begun in the prompt: the answer opens with
+      ``<tool_call>``, so the model can only continue with a call.
+
+    Markup tokens are inserted by id, never read from text; a subclass says
+    how one turn and the answer's opening are written.
+
+    Args:
+        tokenizer: the model's tokenizer.
+        default_system: the template's own system prompt, if any.
+        begin: ids that start every prompt (the BOS token, for models that
+            want it).
+    """
+
+    #: Name, for messages.
+    NAME = ""
+    #: Strings of a Jinja chat template that identify the format.
+    MARKERS: tuple[str, ...] = ()
+    #: Control tokens the vocabulary must have.
+    REQUIRED: tuple[str, ...] = ()
+    #: The token that ends a turn.
+    END = ""
+    #: False: the format has no system role (Gemma, Mistral).
+    SYSTEM_ROLE = True
+
+    def __init__(self, tokenizer: Tokenizer, default_system: str | None = None, begin: Sequence[int] = ()) -> None:
+        missing = [token for token in self.REQUIRED if tokenizer.control_id(token) is None]
+        if missing:
+            known = ", ".join(chat.NAME for chat in CHAT_FORMATS)
+            raise ModelError(
+                f"the tokenizer lacks the {self.NAME} tokens {', '.join(missing)} "
+                f"(s2s-rt supports these chat formats: {known})"
+            )
+        self._tokenizer = tokenizer
+        end = tokenizer.control_id(self.END)
+        assert end is not None, self.END  # END is one of REQUIRED
+        self.end_id = end
+        self.default_system = default_system
+        self._begin = list(begin)
+
+    @staticmethod
+    def from_template(template: str | None, tokenizer: Tokenizer, where: Path, begin: Sequence[int] = ()) -> ChatFormat:
+        """Recognise the chat format of a Jinja chat template, or else of a vocabulary.
+
+        Raises:
+            ModelError: if the template is of no known format and the
+                vocabulary has no known format's markers either.
+        """
+        for chat in CHAT_FORMATS:
+            if template and any(marker in template for marker in chat.MARKERS):
+                return chat.for_template(template, tokenizer, begin)
+        for chat in CHAT_FORMATS:
+            if all(tokenizer.control_id(token) is not None for token in chat.REQUIRED):
+                return chat(tokenizer, None, begin)
+        described = "has no chat template" if not template else "uses a chat format s2s-rt does not know"
+        known = ", ".join(chat.NAME for chat in CHAT_FORMATS)
+        raise ModelError(f"{where} {described}; s2s-rt supports these chat formats: {known}")
+
+    @classmethod
+    def for_template(cls, template: str, tokenizer: Tokenizer, begin: Sequence[int]) -> ChatFormat:
+        return cls(tokenizer, None, begin)
+
+    def encode(
+        self,
+        messages: Sequence[ChatMessage],
+        tools: Sequence[dict[str, Any]] = (),
+        require_tool: bool = False,
+    ) -> ChatPrompt:
+        """Render ``messages`` (and the offered ``tools``) as token ids.
+
+        Args:
+            messages: the conversation, oldest first.
+            tools: Realtime function definitions (name, description,
+                parameters).
+            require_tool: the answer must be a call (only with ``tools``).
+        """
+        system = None
+        if messages and messages[0].role == "system":
+            system, messages = messages[0].content, messages[1:]
+        elif self.default_system is not None:
+            system = self.default_system
+        if tools:
+            system = (system or "") + tools_section(tools)
+        pinned: list[list[int]] = [self._begin] if self._begin else []
+        if system is not None and self.SYSTEM_ROLE:
+            pinned.append(self.turn("system", system))
+        turns: list[list[int]] = []
+        i = 0
+        while i < len(messages):
+            role, content = messages[i].role, messages[i].content
+            i += 1
+            if role == "tool":
+                results = [content]
+                while i < len(messages) and messages[i].role == "tool":
+                    results.append(messages[i].content)
+                    i += 1
+                role, content = "user", "\n".join(f"<tool_response>\n{r}\n</tool_response>" for r in results)
+            if system is not None and not self.SYSTEM_ROLE and role == "user" and not turns:
+                content = f"{system}\n\n{content}"
+            turns.append(self.turn(role, content))
+        turns.append(self.opening(OPEN + "\n" if tools and require_tool else ""))
+        return ChatPrompt([*pinned, *turns], pinned=len(pinned))
+
+    @abc.abstractmethod
+    def turn(self, role: str, content: str) -> list[int]:
+        """One message as ids."""
+
+    @abc.abstractmethod
+    def opening(self, then: str) -> list[int]:
+        """The start of the answer, followed by the text ``then``."""
+
+    def _mark(self, token: str) -> list[int]:
+        """A markup token by id (as text where the vocabulary lacks it: Mistral v0.1's [INST])."""
+        token_id = self._tokenizer.control_id(token)
+        return [token_id] if token_id is not None else self._tokenizer.encode_text(token)
+
+    def _text(self, text: str) -> list[int]:
+        return self._tokenizer.encode_text(text) if text else []
+
+
+class ChatML(ChatFormat):
+    """ChatML (Qwen2/3, SmolLM2 and many others): ``<|im_start|>{role}\\n{content}<|im_end|>\\n``.
+
+    Qwen3 thinks aloud unless told not to; its answer opens with an empty
+    ``<think></think>`` block, as its template does for ``enable_thinking=False``:
+    a voice must not read its reasoning out.
+    """
+
+    NAME = "ChatML"
+    MARKERS = ("<|im_start|>",)
+    REQUIRED = ("<|im_start|>", "<|im_end|>")
+    END = "<|im_end|>"
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        default_system: str | None = None,
+        begin: Sequence[int] = (),
+        *,
+        no_thinking: bool = False,
+    ) -> None:
+        super().__init__(tokenizer, default_system, begin)
+        self._start = self._mark("<|im_start|>")
+        self._newline = tokenizer.encode_text("\n")
+        self._answer = "assistant\n" + ("<think>\n\n</think>\n\n" if no_thinking else "")
+
+    @classmethod
+    def for_template(cls, template: str, tokenizer: Tokenizer, begin: Sequence[int]) -> ChatFormat:
+        return cls(tokenizer, default_system_prompt(template), begin, no_thinking="enable_thinking" in template)
+
+    def turn(self, role: str, content: str) -> list[int]:
+        return [*self._start, *self._text(f"{role}\n{content}"), self.end_id, *self._newline]
+
+    def opening(self, then: str) -> list[int]:
+        return [*self._start, *self._text(self._answer + then)]
+
+
+class Llama3Chat(ChatFormat):
+    """Llama 3.x: ``<|start_header_id|>{role}<|end_header_id|>\\n\\n{content}<|eot_id|>``."""
+
+    NAME = "Llama 3"
+    MARKERS = ("<|start_header_id|>",)
+    REQUIRED = ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
+    END = "<|eot_id|>"
+
+    def turn(self, role: str, content: str) -> list[int]:
+        return [*self._header(role, content.strip()), self.end_id]
+
+    def opening(self, then: str) -> list[int]:
+        return self._header("assistant", then)
+
+    def _header(self, role: str, then: str) -> list[int]:
+        start, end = self._mark("<|start_header_id|>"), self._mark("<|end_header_id|>")
+        return [*start, *self._text(role), *end, *self._text("\n\n" + then)]
+
+
+class GemmaChat(ChatFormat):
+    """Gemma: ``<start_of_turn>{user|model}\\n{content}<end_of_turn>\\n``, no system role."""
+
+    NAME = "Gemma"
+    MARKERS = ("<start_of_turn>",)
+    REQUIRED = ("<start_of_turn>", "<end_of_turn>")
+    END = "<end_of_turn>"
+    SYSTEM_ROLE = False
+
+    def turn(self, role: str, content: str) -> list[int]:
+        role = "model" if role == "assistant" else role
+        return [
+            *self._mark("<start_of_turn>"),
+            *self._text(f"{role}\n{content.strip()}"),
+            self.end_id,
+            *self._text("\n"),
+        ]
+
+    def opening(self, then: str) -> list[int]:
+        return [*self._mark("<start_of_turn>"), *self._text("model\n" + then)]
+
+
+class Phi3Chat(ChatFormat):
+    """Phi-3: ``<|{role}|>\\n{content}<|end|>\\n``.
+
+    Phi-3's markup tokens swallow the whitespace after them (``rstrip`` in
+    its tokenizer, and in llama.cpp's), so the newlines never reach the model.
+    """
+
+    NAME = "Phi-3"
+    MARKERS = ("<|assistant|>",)
+    REQUIRED = ("<|user|>", "<|assistant|>", "<|end|>")
+    END = "<|end|>"
+
+    def turn(self, role: str, content: str) -> list[int]:
+        return [*self._mark(f"<|{role}|>"), *self._text(content.strip()), self.end_id]
+
+    def opening(self, then: str) -> list[int]:
+        return [*self._mark("<|assistant|>"), *self._text(then)]
+
+
+class MistralChat(ChatFormat):
+    """Mistral: ``[INST] {user}[/INST] {answer}</s>``, no system role."""
+
+    NAME = "Mistral"
+    MARKERS = ("[INST]",)
+    REQUIRED = ("</s>",)
+    END = "</s>"
+    SYSTEM_ROLE = False
+
+    def turn(self, role: str, content: str) -> list[int]:
+        if role == "assistant":
+            return [*self._text(content.strip()), self.end_id]
+        return [*self._mark("[INST]"), *self._text(content.strip()), *self._mark("[/INST]")]
+
+    def opening(self, then: str) -> list[int]:
+        return self._text(then)
+
+
+#: Tried in this order, by template and then by vocabulary.
+CHAT_FORMATS: tuple[type[ChatFormat], ...] = (ChatML, Llama3Chat, GemmaChat, Phi3Chat, MistralChat)
+
+
+def tools_section(tools: Sequence[dict[str, Any]]) -> str:
+    """Qwen2.5's description of the offered functions, word for word."""
+    signatures = "".join(f"\n{json.dumps(chat_tool(tool), ensure_ascii=False)}" for tool in tools)
+    return (
+        "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+        "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+        f"{signatures}\n</tools>\n\n"
+        "For each function call, return a json object with function name and arguments within "
+        "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+        '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+    )
+
+
+def default_system_prompt(template: str) -> str | None:
+    # The default is the literal system turn the template writes when the
+    # conversation has none: '<|im_start|>system\nYou are …<|im_end|>'. In the
+    # template source the newline is either a real one or the escape "\n".
+    match = re.search(r"<\|im_start\|>system(?:\\n|\n)([^'\"{}<>]+?)<\|im_end\|>", template)
+    return match.group(1) if match else None
