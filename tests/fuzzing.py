@@ -57,7 +57,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake
 
 from s2s_rt import Config, Server
 from s2s_rt.audio import AudioFormat
-from s2s_rt.engines.base import ChatMessage, Float32Array, LLMUsage, Stack, StopCheck, Transcript
+from s2s_rt.engines.base import ChatMessage, Float32Array, LLMRequest, LLMUsage, Stack, StopCheck, Transcript
 from s2s_rt.engines.fake import load_fake_stack
 
 #: The word that marks a hostile session's work: only work carrying it fails on purpose.
@@ -172,29 +172,11 @@ class FlakyLLM:
         self.chaos.sleep()
         return float(self.chaos.pick(100)) / 100
 
-    def stream(
-        self,
-        messages: Sequence[ChatMessage],
-        *,
-        max_tokens: int,
-        temperature: float,
-        should_stop: StopCheck,
-        usage: LLMUsage,
-        tools: Sequence[dict[str, Any]] = (),
-        require_tool: bool = False,
-    ) -> Iterator[str]:
+    def stream(self, request: LLMRequest, *, should_stop: StopCheck, usage: LLMUsage) -> Iterator[str]:
         self.chaos.sleep(2)
-        marked = any(FLAKY in m.content for m in messages)
+        marked = any(FLAKY in m.content for m in request.messages)
         fail_at = self.chaos.pick(6) if self.chaos.fails(marked) else -1
-        pieces = self.inner.stream(
-            messages,
-            max_tokens=max_tokens,
-            temperature=temperature,
-            should_stop=should_stop,
-            usage=usage,
-            tools=tools,
-            require_tool=require_tool,
-        )
+        pieces = self.inner.stream(request, should_stop=should_stop, usage=usage)
         for i, piece in enumerate(pieces):
             if i == fail_at:
                 raise InjectedFault("injected LLM failure")

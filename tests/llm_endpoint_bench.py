@@ -32,7 +32,7 @@ from pathlib import Path
 
 from llama_server import LLAMA_PYTHON, LlamaServer
 
-from s2s_rt.engines.base import ChatMessage, LLMUsage
+from s2s_rt.engines.base import ChatMessage, LLMRequest, LLMUsage
 from s2s_rt.engines.llm import CT2ChatLLM
 from s2s_rt.engines.remote_llm import RemoteChatLLM
 from s2s_rt.models import ensure_prepared
@@ -70,9 +70,7 @@ def in_process(runs: int) -> list[Run]:
         for i in range(runs + 2):
             usage, first, started = LLMUsage(), 0.0, time.perf_counter()
             for _ in llm.stream(
-                _messages(QUESTIONS[i % len(QUESTIONS)]),
-                max_tokens=ANSWER_TOKENS,
-                temperature=0.0,
+                LLMRequest.of(_messages(QUESTIONS[i % len(QUESTIONS)]), max_tokens=ANSWER_TOKENS, temperature=0.0),
                 should_stop=lambda: False,
                 usage=usage,
             ):
@@ -123,9 +121,7 @@ async def endpoint(url: str, runs: int) -> list[Run]:
     for i in range(runs + 2):
         first, pieces, started = 0.0, 0, time.perf_counter()
         async for _ in llm.astream(
-            _messages(QUESTIONS[i % len(QUESTIONS)]),
-            max_tokens=ANSWER_TOKENS,
-            temperature=0.0,
+            LLMRequest.of(_messages(QUESTIONS[i % len(QUESTIONS)]), max_tokens=ANSWER_TOKENS, temperature=0.0),
             should_stop=lambda: False,
             usage=LLMUsage(),
         ):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from datetime import datetime
 from typing import Any
 
@@ -11,7 +11,7 @@ import pytest
 from conftest import RealtimeClient, run, silence, tone
 
 from s2s_rt import Config, Server
-from s2s_rt.engines.base import ChatMessage
+from s2s_rt.engines.base import ChatMessage, LLMRequest
 from s2s_rt.engines.fake import EchoLLM, load_fake_stack
 from s2s_rt.spoken_answer import (
     ANSWER_EXAMPLES,
@@ -88,9 +88,9 @@ class RecordingLLM(EchoLLM):
         super().__init__()
         self.seen: list[list[ChatMessage]] = []
 
-    def stream(self, messages: Sequence[ChatMessage], **options: Any) -> Iterator[str]:
-        self.seen.append(list(messages))
-        return super().stream(messages, **options)
+    def stream(self, request: LLMRequest, **options: Any) -> Iterator[str]:
+        self.seen.append(list(request.messages))
+        return super().stream(request, **options)
 
 
 @pytest.mark.parametrize(("language", "told"), [("de", "answer in German"), (None, None)])

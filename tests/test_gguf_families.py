@@ -570,7 +570,7 @@ def test_chat_prompt_is_the_familys_template_as_llama_cpp_reads_it(model: dict[s
 def test_models_prepare_gguf_converts_a_users_file_into_the_cache_once(
     model: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from s2s_rt.engines.base import ChatMessage, LLMUsage
+    from s2s_rt.engines.base import ChatMessage, LLMRequest, LLMUsage
     from s2s_rt.engines.llm import CT2ChatLLM
     from s2s_rt.models.cli import main as models_cli
 
@@ -582,9 +582,7 @@ def test_models_prepare_gguf_converts_a_users_file_into_the_cache_once(
         usage = LLMUsage()
         pieces = list(
             llm.stream(
-                [ChatMessage("user", "Hello there!")],
-                max_tokens=4,
-                temperature=0.0,
+                LLMRequest.of([ChatMessage("user", "Hello there!")], max_tokens=4, temperature=0.0),
                 should_stop=lambda: False,
                 usage=usage,
             )

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from s2s_rt.engines.base import ChatMessage, LLMUsage
+from s2s_rt.engines.base import ChatMessage, LLMRequest, LLMUsage
 from s2s_rt.engines.chat_formats import ChatML
 from s2s_rt.engines.llm import CT2ChatLLM
 from s2s_rt.engines.tokenizing import TextStream
@@ -43,7 +43,11 @@ def tiny_llm(shared_models_root: Path) -> CT2ChatLLM:
 
 def answer(llm: CT2ChatLLM, messages: list[ChatMessage], max_tokens: int = 48, temperature: float = 0.0) -> str:
     return "".join(
-        llm.stream(messages, max_tokens=max_tokens, temperature=temperature, should_stop=_never, usage=LLMUsage())
+        llm.stream(
+            LLMRequest.of(messages, max_tokens=max_tokens, temperature=temperature),
+            should_stop=_never,
+            usage=LLMUsage(),
+        )
     )
 
 
@@ -72,7 +76,9 @@ def test_tiny_llm_produces_text(tiny_llm: CT2ChatLLM) -> None:
 
 def test_answer_ends_at_the_end_of_turn_without_markup(default_llm: CT2ChatLLM) -> None:
     usage = LLMUsage()
-    text = "".join(default_llm.stream(QUESTION, max_tokens=200, temperature=0, should_stop=_never, usage=usage))
+    text = "".join(
+        default_llm.stream(LLMRequest.of(QUESTION, max_tokens=200, temperature=0), should_stop=_never, usage=usage)
+    )
     assert usage.output_tokens < 200
     assert "<|im_end|>" not in text and "<|endoftext|>" not in text
 
@@ -83,7 +89,9 @@ def test_answer_ends_at_the_end_of_turn_without_markup(default_llm: CT2ChatLLM) 
 def test_usage_counts_prompt_before_the_first_piece_and_every_answer_token(default_llm: CT2ChatLLM) -> None:
     usage = LLMUsage()
     seen_input_tokens = []
-    for _piece in default_llm.stream(QUESTION, max_tokens=48, temperature=0, should_stop=_never, usage=usage):
+    for _piece in default_llm.stream(
+        LLMRequest.of(QUESTION, max_tokens=48, temperature=0), should_stop=_never, usage=usage
+    ):
         seen_input_tokens.append(usage.input_tokens)
     assert seen_input_tokens[0] == default_llm.count_tokens(QUESTION) > 10
     assert 0 < usage.output_tokens < 48
@@ -92,7 +100,7 @@ def test_usage_counts_prompt_before_the_first_piece_and_every_answer_token(defau
 def test_max_tokens_bounds_the_answer(default_llm: CT2ChatLLM) -> None:
     usage = LLMUsage()
     messages = [ChatMessage("user", "Write a long story about a dragon.")]
-    list(default_llm.stream(messages, max_tokens=5, temperature=0, should_stop=_never, usage=usage))
+    list(default_llm.stream(LLMRequest.of(messages, max_tokens=5, temperature=0), should_stop=_never, usage=usage))
     assert usage.output_tokens == 5
 
 
@@ -101,7 +109,9 @@ def test_should_stop_ends_the_stream_within_one_token(default_llm: CT2ChatLLM) -
     pieces: list[str] = []
     stop = threading.Event()
     messages = [ChatMessage("user", "Write a long story about a dragon.")]
-    for piece in default_llm.stream(messages, max_tokens=200, temperature=0, should_stop=stop.is_set, usage=usage):
+    for piece in default_llm.stream(
+        LLMRequest.of(messages, max_tokens=200, temperature=0), should_stop=stop.is_set, usage=usage
+    ):
         pieces.append(piece)
         if len(pieces) == 3:
             stop.set()
@@ -114,12 +124,21 @@ def test_should_stop_ends_the_stream_within_one_token(default_llm: CT2ChatLLM) -
 
 def test_should_stop_before_the_first_token_yields_nothing(default_llm: CT2ChatLLM) -> None:
     usage = LLMUsage()
-    assert list(default_llm.stream(QUESTION, max_tokens=50, temperature=0, should_stop=lambda: True, usage=usage)) == []
+    assert (
+        list(
+            default_llm.stream(
+                LLMRequest.of(QUESTION, max_tokens=50, temperature=0), should_stop=lambda: True, usage=usage
+            )
+        )
+        == []
+    )
     assert usage.output_tokens == 0 and usage.input_tokens > 0
 
 
 def test_closing_the_stream_early_frees_the_generator(default_llm: CT2ChatLLM) -> None:
-    stream = default_llm.stream(QUESTION, max_tokens=100, temperature=0, should_stop=_never, usage=LLMUsage())
+    stream = default_llm.stream(
+        LLMRequest.of(QUESTION, max_tokens=100, temperature=0), should_stop=_never, usage=LLMUsage()
+    )
     next(stream)
     stream.close()
     # The shared generator is free again: the next request is served at once.
@@ -147,7 +166,9 @@ def test_a_long_conversation_is_cut_to_fit_the_context(tiny_llm: CT2ChatLLM, mon
     usage = LLMUsage()
     list(
         llm.stream(
-            [*history, ChatMessage("user", "Hi!")], max_tokens=32, temperature=0, should_stop=_never, usage=usage
+            LLMRequest.of([*history, ChatMessage("user", "Hi!")], max_tokens=32, temperature=0),
+            should_stop=_never,
+            usage=usage,
         )
     )
     assert usage.input_tokens + usage.output_tokens <= 256
@@ -250,7 +271,7 @@ def test_offered_tools_let_the_default_llm_call_one_in_tags(default_llm: CT2Chat
     ]
     pieces = list(
         default_llm.stream(
-            messages, max_tokens=80, temperature=0, should_stop=_never, usage=LLMUsage(), tools=[WEATHER]
+            LLMRequest.of(messages, max_tokens=80, temperature=0, tools=[WEATHER]), should_stop=_never, usage=LLMUsage()
         )
     )
     text = "".join(pieces)
@@ -329,7 +350,7 @@ def test_an_answer_whose_words_are_held_back_goes_first_only_for_its_first_token
     def held_back() -> None:
         usage = LLMUsage()
         for _ in tiny_llm.stream(
-            long, max_tokens=400, temperature=0.0, should_stop=_never, usage=usage, urgent=lambda: True
+            LLMRequest.of(long, max_tokens=400, temperature=0.0), should_stop=_never, usage=usage, urgent=lambda: True
         ):
             if usage.output_tokens >= 2:
                 started.set()
@@ -339,7 +360,10 @@ def test_an_answer_whose_words_are_held_back_goes_first_only_for_its_first_token
     def other() -> None:
         started.wait(30)
         for _ in tiny_llm.stream(
-            QUESTION, max_tokens=8, temperature=0.0, should_stop=_never, usage=LLMUsage(), urgent=lambda: True
+            LLMRequest.of(QUESTION, max_tokens=8, temperature=0.0),
+            should_stop=_never,
+            usage=LLMUsage(),
+            urgent=lambda: True,
         ):
             firsts.setdefault("other", time.monotonic())
         ends["other"] = time.monotonic()

@@ -10,7 +10,7 @@ import pytest
 from conftest import RealtimeClient, run
 
 from s2s_rt.config import Config
-from s2s_rt.engines.base import ChatMessage, LLMUsage
+from s2s_rt.engines.base import ChatMessage, LLMRequest, LLMUsage
 from s2s_rt.engines.fake import EchoLLM, load_fake_stack
 from s2s_rt.engines.prompt_cache import ConversationPrefixes
 from s2s_rt.server import Server
@@ -48,9 +48,9 @@ class PrimingLLM(EchoLLM):
         self.answered: list[list[ChatMessage]] = []
         self.primed: list[list[ChatMessage]] = []
 
-    def stream(self, messages: Sequence[ChatMessage], **options: Any) -> Iterator[str]:
-        self.answered.append(list(messages))
-        return super().stream(messages, **options)
+    def stream(self, request: LLMRequest, **options: Any) -> Iterator[str]:
+        self.answered.append(list(request.messages))
+        return super().stream(request, **options)
 
     def prime(self, messages: Sequence[ChatMessage], tools: Sequence[dict[str, Any]] = ()) -> bool:
         self.primed.append(list(messages))
@@ -103,7 +103,9 @@ def test_kept_state_answers_exactly_as_a_full_reading_and_stays_within_its_bound
 
     def answer(llm: CT2ChatLLM, messages: list[ChatMessage]) -> str:
         usage.cached_tokens = -1
-        return "".join(llm.stream(messages, max_tokens=24, temperature=0.0, should_stop=lambda: False, usage=usage))
+        return "".join(
+            llm.stream(LLMRequest.of(messages, max_tokens=24, temperature=0.0), should_stop=lambda: False, usage=usage)
+        )
 
     conversation = [ChatMessage("system", DEFAULT_INSTRUCTIONS)]
     questions = ["What is the capital of France?", "And of Italy?", "How many legs does a spider have?"]
@@ -153,7 +155,10 @@ def test_an_answer_being_heard_gives_way_to_one_not_yet_heard_and_resumes_where_
     def answer(messages: list[ChatMessage], urgent: Any, times: list[float]) -> str:
         pieces = []
         for piece in llm.stream(
-            messages, max_tokens=60, temperature=0.0, should_stop=lambda: False, usage=LLMUsage(), urgent=urgent
+            LLMRequest.of(messages, max_tokens=60, temperature=0.0),
+            should_stop=lambda: False,
+            usage=LLMUsage(),
+            urgent=urgent,
         ):
             times.append(time.perf_counter())
             pieces.append(piece)

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from s2s_rt.engines.base import ChatMessage, LLMUsage
+from s2s_rt.engines.base import ChatMessage, LLMRequest, LLMUsage
 from s2s_rt.engines.prompt_cache import StaticPrefixes
 
 _HELLO = ChatMessage("user", "Hello")
@@ -92,7 +92,11 @@ def test_answers_from_the_kept_state_are_the_answers_without_it(
         for llm in (plain, cached, cached):
             usage = LLMUsage(cached_tokens=-1)
             answers.append(
-                "".join(llm.stream(messages, max_tokens=30, temperature=0.0, should_stop=lambda: False, usage=usage))
+                "".join(
+                    llm.stream(
+                        LLMRequest.of(messages, max_tokens=30, temperature=0.0), should_stop=lambda: False, usage=usage
+                    )
+                )
             )
             cached_tokens.append(usage.cached_tokens)
         assert answers[0] == answers[1] == answers[2]

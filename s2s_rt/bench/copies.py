@@ -25,7 +25,7 @@ def run_copies(opts: argparse.Namespace) -> dict[str, Any]:
 
     from s2s_rt.audio import pcm16_to_float, resample
     from s2s_rt.config import Config
-    from s2s_rt.engines.base import PIPELINE_RATE, ChatMessage, LLMUsage, Stack
+    from s2s_rt.engines.base import PIPELINE_RATE, ChatMessage, LLMRequest, LLMUsage, Stack
     from s2s_rt.server.stack import load_stack
 
     def exercise(stack: Stack, speech: Any) -> None:
@@ -34,7 +34,8 @@ def run_copies(opts: argparse.Namespace) -> dict[str, Any]:
         stack.stt.transcribe(speech, language="en")
         chat = [ChatMessage("system", "Answer in one short sentence."), ChatMessage("user", "What do bees make?")]
         usage = LLMUsage()
-        for _ in stack.llm.stream(chat, max_tokens=8, temperature=0.0, should_stop=lambda: False, usage=usage):
+        asked = LLMRequest.of(chat, max_tokens=8, temperature=0.0)
+        for _ in stack.llm.stream(asked, should_stop=lambda: False, usage=usage):
             pass
         for _ in stack.tts.synthesize("Bees make honey.", voice=None, should_stop=lambda: False):
             pass

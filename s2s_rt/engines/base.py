@@ -81,29 +81,50 @@ class LLMUsage:
     cached_tokens: int = 0
 
 
-class LLM(Protocol):
-    """A chat model that streams its answer."""
+@dataclass(frozen=True, slots=True)
+class LLMRequest:
+    """What a chat model is asked, as one value: every engine's ``stream`` takes it.
 
-    def stream(
-        self,
+    Two requests are equal when they would make the same answer: an answer
+    begun ahead of a turn's end is adopted only by a response whose request
+    is equal (:mod:`s2s_rt.pipeline.anticipation`).
+    """
+
+    messages: tuple[ChatMessage, ...]
+    #: Most tokens the answer may have.
+    max_tokens: int
+    temperature: float
+    #: Realtime function definitions (name, description, parameters) the model may call.
+    tools: tuple[dict[str, Any], ...] = ()
+    #: The model must call one of ``tools`` (``tool_choice`` ``required`` or a named function).
+    require_tool: bool = False
+
+    @classmethod
+    def of(
+        cls,
         messages: Sequence[ChatMessage],
         *,
         max_tokens: int,
         temperature: float,
-        should_stop: StopCheck,
-        usage: LLMUsage,
         tools: Sequence[dict[str, Any]] = (),
         require_tool: bool = False,
-    ) -> Iterator[str]:
+    ) -> LLMRequest:
+        return cls(tuple(messages), max_tokens, temperature, tuple(tools), require_tool)
+
+
+class LLM(Protocol):
+    """A chat model that streams its answer."""
+
+    def stream(self, request: LLMRequest, *, should_stop: StopCheck, usage: LLMUsage) -> Iterator[str]:
         """Yield the answer as text pieces (detokenised, in order).
 
         Checks ``should_stop`` between tokens and returns early when it is
         True. Fills ``usage`` as it goes (input tokens before the first piece).
 
-        ``tools`` (Realtime function definitions: name, description,
-        parameters) are shown to the model in its chat template's tools
-        section; it calls one by writing ``<tool_call>{"name": …,
-        "arguments": {…}}</tool_call>``, which the server parses out of the
+        The request's ``tools`` are shown to the model in its chat
+        template's tools section; it calls one by writing
+        ``<tool_call>{"name": …, "arguments": {…}}</tool_call>``
+        (:func:`s2s_rt.toolcalls.frame`), which the server parses out of the
         stream. ``require_tool`` tells the model it must call one. A message
         with role ``tool`` carries a function's result back.
         """
@@ -120,22 +141,60 @@ class AsyncLLM(LLM, Protocol):
     once instead of at the next piece.
     """
 
-    def astream(
-        self,
-        messages: Sequence[ChatMessage],
-        *,
-        max_tokens: int,
-        temperature: float,
-        should_stop: StopCheck,
-        usage: LLMUsage,
-        tools: Sequence[dict[str, Any]] = (),
-        require_tool: bool = False,
-    ) -> AsyncGenerator[str, None]:
+    def astream(self, request: LLMRequest, *, should_stop: StopCheck, usage: LLMUsage) -> AsyncGenerator[str, None]:
         """As :meth:`LLM.stream`, as an async iterator; also stops when its task is cancelled.
 
         Enforces its own deadline per piece (it runs in no executor).
         """
         ...
+
+
+# --- powers some LLMs have (checked with isinstance) ----------------------------
+
+
+@runtime_checkable
+class TakesTurns(Protocol):
+    """An LLM whose answers not yet heard decode before answers already being heard.
+
+    Its ``stream`` also takes ``urgent`` (a thread-safe check: is this
+    answer still waiting for its first words?); ``turns`` keeps count.
+    """
+
+    turns: Any
+
+    def stream(
+        self,
+        request: LLMRequest,
+        *,
+        should_stop: StopCheck,
+        usage: LLMUsage,
+        urgent: Callable[[], bool] | None = None,
+    ) -> Iterator[str]: ...
+
+
+@runtime_checkable
+class ReadsAhead(Protocol):
+    """An LLM that can read a conversation into kept model state before the next answer asks."""
+
+    def prime(self, messages: Sequence[ChatMessage], tools: Sequence[dict[str, Any]] = ()) -> bool:
+        """Read ``messages`` (as the next answer will see them, up to its user turn); True if kept."""
+        ...
+
+
+@runtime_checkable
+class JudgesTurnEnd(Protocol):
+    """An LLM that can say how likely a user's words end their turn (``semantic_vad``)."""
+
+    def turn_end_probability(self, messages: Sequence[ChatMessage]) -> float: ...
+
+
+@runtime_checkable
+class KeepsPrefixes(Protocol):
+    """An LLM that keeps model states of conversations it read (its figures go to ``/metrics``)."""
+
+    prefixes: Any
+    reloads: int
+    turns: Any
 
 
 class LLMError(Exception):

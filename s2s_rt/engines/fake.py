@@ -37,6 +37,7 @@ from s2s_rt.engines.base import (
     PIPELINE_RATE,
     ChatMessage,
     Float32Array,
+    LLMRequest,
     LLMUsage,
     Stack,
     StopCheck,
@@ -111,17 +112,8 @@ class EchoLLM:
         """The fake model finds every utterance finished (``semantic_vad`` ends turns after its shortest wait)."""
         return 0.9
 
-    def stream(
-        self,
-        messages: Sequence[ChatMessage],
-        *,
-        max_tokens: int,
-        temperature: float,
-        should_stop: StopCheck,
-        usage: LLMUsage,
-        tools: Sequence[dict[str, Any]] = (),
-        require_tool: bool = False,
-    ) -> Iterator[str]:
+    def stream(self, request: LLMRequest, *, should_stop: StopCheck, usage: LLMUsage) -> Iterator[str]:
+        messages, max_tokens, tools = request.messages, request.max_tokens, request.tools
         user = next((m.content for m in reversed(messages) if m.role == "user"), "")
         usage.input_tokens = sum(len(m.content.split()) for m in messages)
         delay_s, block_s, fail = self.token_delay_ms / 1000, 0.0, False
@@ -133,7 +125,7 @@ class EchoLLM:
             else:
                 fail = True
         if tools:
-            call = fake_tool_call(messages, user, tools, require_tool)
+            call = fake_tool_call(messages, user, tools, request.require_tool)
             if call is not None:
                 if not self.stream_tool_calls:
                     usage.output_tokens = len(call.split())

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from s2s_rt.engines.base import ChatMessage, LLMUsage, StopCheck
+from s2s_rt.engines.base import ChatMessage, LLMRequest, LLMUsage, StopCheck
 from s2s_rt.engines.chat_formats import ChatFormat, ChatPrompt
 from s2s_rt.engines.kept_state import MIN_KEPT_TOKENS, PROBE, KeptStateCheck, check_kept_state
 from s2s_rt.engines.llm_turns import SENTENCE_END, URGENT_TOKENS, Turns
@@ -207,32 +207,28 @@ class CT2ChatLLM:
 
     def stream(
         self,
-        messages: Sequence[ChatMessage],
+        request: LLMRequest,
         *,
-        max_tokens: int,
-        temperature: float,
         should_stop: StopCheck,
         usage: LLMUsage,
-        tools: Sequence[dict[str, Any]] = (),
-        require_tool: bool = False,
         urgent: Callable[[], bool] | None = None,
     ) -> Generator[str, None, None]:
-        """Yield the assistant's answer to ``messages`` as pieces of text.
+        """Yield the assistant's answer to ``request`` as pieces of text.
 
         Args:
-            messages: the conversation, oldest first; the oldest non-system
-                turns are left out when it does not fit the context.
-            max_tokens: most tokens to generate.
-            temperature: scaled by ``temperature_scale``, then <= 0.01 decodes
-                greedily; above, samples.
+            request: its ``messages`` are the conversation, oldest first (the
+                oldest non-system turns are left out when it does not fit the
+                context); ``max_tokens`` the most tokens to generate; its
+                ``temperature`` is scaled by ``temperature_scale``, then <=
+                0.01 decodes greedily, above it samples; ``tools`` are offered
+                to the model, which calls one by writing
+                ``<tool_call>{"name": …, "arguments": {…}}</tool_call>``; with
+                ``require_tool`` the answer must be a call (it starts with
+                ``<tool_call>`` already written).
             should_stop: checked between tokens; True ends the answer within
                 one token (generation stops in CTranslate2 too).
             usage: receives input tokens before the first piece, and output
                 tokens as they come.
-            tools: Realtime function definitions to offer the model; it calls
-                one by writing ``<tool_call>{"name": …, "arguments": {…}}</tool_call>``.
-            require_tool: the answer must be a call: it starts with
-                ``<tool_call>`` already written.
             urgent: True while the answer has not been heard yet (its first
                 clause not spoken). CTranslate2 decodes one answer at a time;
                 answers that are not urgent stop between tokens while another
@@ -242,13 +238,14 @@ class CT2ChatLLM:
         generator = self._generator
         if generator is None:
             raise RuntimeError(f"the LLM engine for {self.model_dir} is closed")
-        chat = self._chat.encode(messages, tools, require_tool)
-        prompt, max_tokens = self._fit(chat, max_tokens)
+        tools, require_tool = request.tools, request.require_tool
+        chat = self._chat.encode(request.messages, tools, require_tool)
+        prompt, max_tokens = self._fit(chat, request.max_tokens)
         usage.input_tokens = len(prompt)
         usage.output_tokens = 0
         if max_tokens <= 0 or should_stop():
             return
-        temperature *= self.temperature_scale
+        temperature = request.temperature * self.temperature_scale
         greedy = temperature <= GREEDY_TEMPERATURE
         static, prompt, usage.cached_tokens = self._split(prompt)
         static_tokens = [self._vocabulary[i] for i in static] or None

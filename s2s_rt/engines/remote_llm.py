@@ -27,7 +27,7 @@ from collections.abc import AsyncGenerator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from s2s_rt.engines.base import ChatMessage, LLMError, LLMUsage, StopCheck
+from s2s_rt.engines.base import ChatMessage, LLMError, LLMRequest, LLMUsage, StopCheck
 from s2s_rt.toolcalls import Call, ToolCallFilter, chat_tool, frame
 
 if TYPE_CHECKING:
@@ -79,17 +79,9 @@ class RemoteChatLLM:
         )
 
     async def astream(
-        self,
-        messages: Sequence[ChatMessage],
-        *,
-        max_tokens: int,
-        temperature: float,
-        should_stop: StopCheck,
-        usage: LLMUsage,
-        tools: Sequence[dict[str, Any]] = (),
-        require_tool: bool = False,
+        self, request: LLMRequest, *, should_stop: StopCheck, usage: LLMUsage
     ) -> AsyncGenerator[str, None]:
-        """Yield the answer to ``messages`` as pieces of text, on the event loop.
+        """Yield the answer to ``request`` as pieces of text, on the event loop.
 
         Arguments as for ``base.LLM.stream``. Usage comes from the endpoint's
         final usage chunk when it sends one, else output tokens count the
@@ -106,7 +98,7 @@ class RemoteChatLLM:
                 request: bad model name, key or parameters).
         """
         usage.input_tokens = usage.output_tokens = 0
-        if max_tokens <= 0 or should_stop():
+        if request.max_tokens <= 0 or should_stop():
             return
         client = self._client()
         calls = _StreamedCalls()
@@ -114,8 +106,7 @@ class RemoteChatLLM:
         try:
             async with asyncio.timeout(self.timeout_s):
                 model = self.model or await self._first_model(client)
-                request = _request(messages, model, max_tokens, temperature, tools, require_tool)
-                stream = await client.chat.completions.create(**request)
+                stream = await client.chat.completions.create(**_request(request, model))
             async with stream:  # leaving it, however, closes the HTTP response
                 chunks = aiter(stream)
                 while True:
@@ -145,32 +136,14 @@ class RemoteChatLLM:
         for call in calls.texts():
             yield call
 
-    def stream(
-        self,
-        messages: Sequence[ChatMessage],
-        *,
-        max_tokens: int,
-        temperature: float,
-        should_stop: StopCheck,
-        usage: LLMUsage,
-        tools: Sequence[dict[str, Any]] = (),
-        require_tool: bool = False,
-    ) -> Iterator[str]:
+    def stream(self, request: LLMRequest, *, should_stop: StopCheck, usage: LLMUsage) -> Iterator[str]:
         """The blocking form of :meth:`astream` (``base.LLM``), for callers off the event loop.
 
         Runs :meth:`astream` on a private event loop (with a connection of
         its own) in the calling thread.
         """
         loop = asyncio.new_event_loop()
-        pieces = self.astream(
-            messages,
-            max_tokens=max_tokens,
-            temperature=temperature,
-            should_stop=should_stop,
-            usage=usage,
-            tools=tools,
-            require_tool=require_tool,
-        )
+        pieces = self.astream(request, should_stop=should_stop, usage=usage)
         try:
             while True:
                 try:
@@ -238,26 +211,21 @@ def _error_message(exc: Any) -> str:
 # --- the request -------------------------------------------------------------
 
 
-def _request(
-    messages: Sequence[ChatMessage],
-    model: str,
-    max_tokens: int,
-    temperature: float,
-    tools: Sequence[dict[str, Any]],
-    require_tool: bool,
-) -> dict[str, Any]:
+def _request(asked: LLMRequest, model: str) -> dict[str, Any]:
+    """The chat completions request body for ``asked``."""
+    tools = asked.tools
     request: dict[str, Any] = {
         "model": model,
-        "messages": chat_messages(messages),
-        "max_tokens": max_tokens,
-        "temperature": temperature,
+        "messages": chat_messages(asked.messages),
+        "max_tokens": asked.max_tokens,
+        "temperature": asked.temperature,
         "stream": True,
         # Servers that know it send a last chunk with the usage; others ignore it.
         "stream_options": {"include_usage": True},
     }
     if tools:
         request["tools"] = [chat_tool(tool) for tool in tools]
-        if require_tool:
+        if asked.require_tool:
             # A named choice where one tool is offered: servers that cannot
             # force "a call" (llama-cpp-python) can force "this call".
             only = tools[0].get("name") if len(tools) == 1 else None

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from s2s_rt.engines.base import LLM, TTS, ChatMessage, LLMUsage
+from s2s_rt.engines.base import LLM, TTS, ChatMessage, LLMRequest, LLMUsage
 from s2s_rt.pipeline.clauses import ClauseSplitter
 from s2s_rt.protocol.config import DEFAULT_MAX_OUTPUT_TOKENS
 from s2s_rt.spoken_answer import with_answer_context
@@ -102,13 +102,8 @@ class Assistant:
         pieces: list[str] = []
         first_token = first_audio = None
         start = time.perf_counter()
-        stream = self.llm.stream(
-            self.messages(text, language),
-            max_tokens=self.max_tokens,
-            temperature=self.temperature,
-            should_stop=lambda: False,
-            usage=usage,
-        )
+        asked = LLMRequest.of(self.messages(text, language), max_tokens=self.max_tokens, temperature=self.temperature)
+        stream = self.llm.stream(asked, should_stop=lambda: False, usage=usage)
         for piece in stream:
             if first_token is None:
                 first_token = time.perf_counter() - start
@@ -126,14 +121,13 @@ class Assistant:
     def call(self, text: str, tools: Sequence[dict[str, Any]]) -> CallResult:
         """One user turn with ``tools`` on offer (``tool_choice`` auto), parsed as the server parses it."""
         usage = LLMUsage()
-        stream = self.llm.stream(
+        asked = LLMRequest.of(
             self.messages(text, tools=bool(tools)),
             max_tokens=self.max_tokens,
             temperature=self.temperature,
-            should_stop=lambda: False,
-            usage=usage,
             tools=tools,
         )
+        stream = self.llm.stream(asked, should_stop=lambda: False, usage=usage)
         splitter = ToolCallFilter()
         parts = [part for piece in stream for part in splitter.feed(piece)]
         parts += splitter.flush()

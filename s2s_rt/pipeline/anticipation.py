@@ -5,9 +5,9 @@ When the words of a turn are transcribed before its silence has ended
 is started too: the LLM streams into an :class:`Anticipation`, and its first
 clause is synthesised as soon as it is complete. Nothing of it reaches the
 client: no response exists yet. When the turn ends, the turn's response
-adopts it if it would have asked the model exactly the same thing
-(:class:`AnswerKey`), reading the pieces made so far and then the rest as it
-comes; if speech returns first, or the response asks something else, the
+adopts it if it would have asked the model exactly the same thing (an
+equal :class:`~s2s_rt.engines.base.LLMRequest`, voice and speed), reading
+the pieces made so far and then the rest as it comes; if speech returns first, or the response asks something else, the
 anticipation is dropped and its engine work stopped.
 
 An anticipation's scope is a child of its session's: it is stale when the
@@ -18,57 +18,33 @@ adopting response is cancelled or fails.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
 from typing import Any
 
-from s2s_rt.engines.base import AsyncLLM, ChatMessage, Float32Array, LLMUsage
+from s2s_rt.engines.base import AsyncLLM, Float32Array, LLMRequest, LLMUsage
 from s2s_rt.inference import OneAtATime
 from s2s_rt.scope import Scope
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
-class AnswerKey:
-    """Everything the model is asked: an anticipation is adopted only by a response with the same key."""
-
-    messages: tuple[ChatMessage, ...]
-    tools: str
-    require_tool: bool
-    temperature: float
-    max_tokens: int
-    #: Not the model's, but the first clause's speech is made at this speed and in this voice.
-    speed: float = 1.0
-    voice: str | None = None
-
-    @classmethod
-    def of(
-        cls,
-        messages: Sequence[ChatMessage],
-        tools: Sequence[dict[str, Any]],
-        require_tool: bool,
-        temperature: float,
-        max_tokens: int,
-        speed: float = 1.0,
-        voice: str | None = None,
-    ) -> AnswerKey:
-        tools_json = json.dumps(list(tools), sort_keys=True)
-        return cls(tuple(messages), tools_json, require_tool, temperature, max_tokens, speed, voice)
-
-
 class Anticipation:
     """An answer streaming ahead of its turn's end, and its first clause's speech.
 
     Args:
-        key: what the model was asked.
+        request: what the model was asked.
+        speed: the speaking rate of the first clause's speech.
+        voice: the voice of the first clause's speech.
         scope: its cancellation scope (a child of the session's).
     """
 
-    def __init__(self, key: AnswerKey, scope: Scope, gate: OneAtATime | None = None) -> None:
-        self.key = key
+    def __init__(
+        self, request: LLMRequest, speed: float, voice: str, scope: Scope, gate: OneAtATime | None = None
+    ) -> None:
+        self.request = request
+        self.speed = speed
+        self.voice = voice
         self.scope = scope
         #: The session's gate for LLM calls it gave up on (see :class:`~s2s_rt.inference.OneAtATime`).
         self.gate = gate
@@ -80,6 +56,10 @@ class Anticipation:
         #: The first clause, and its speech as the TTS engine made it (synthesised ahead).
         self.first_clause: str | None = None
         self.first_audio: asyncio.Task[list[Float32Array] | None] | None = None
+
+    def answers(self, request: LLMRequest, speed: float, voice: str) -> bool:
+        """Whether a response asking ``request``, spoken at ``speed`` in ``voice``, would make this same answer."""
+        return request == self.request and speed == self.speed and voice == self.voice
 
     def add(self, piece: str) -> None:
         """A piece of the answer came."""
@@ -126,11 +106,6 @@ class Anticipation:
     def drop(self, reason: str) -> None:
         """Not wanted: stop its engine work."""
         self.scope.close(reason)
-
-
-def takes_turns(llm: Any) -> bool:
-    """Whether the engine lets answers that have not spoken go first (``urgent``, see ``CT2ChatLLM.stream``)."""
-    return getattr(llm, "turns", None) is not None
 
 
 def can_anticipate(llm: Any) -> bool:

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
-from s2s_rt.engines.base import AsyncLLM, ChatMessage, LLMError, LLMUsage
+from s2s_rt.engines.base import AsyncLLM, ChatMessage, LLMError, LLMRequest, LLMUsage, ReadsAhead, TakesTurns
 from s2s_rt.inference import EngineTimeout
-from s2s_rt.pipeline.anticipation import AnswerKey, Anticipation, takes_turns
+from s2s_rt.pipeline.anticipation import Anticipation
 from s2s_rt.pipeline.clauses import ClauseSplitter
 from s2s_rt.pipeline.context import SessionContext
 from s2s_rt.pipeline.stage import StageContext, serve
@@ -81,12 +82,12 @@ class Responder:
         tools, must_call = offered_tools(r.params.tools, r.params.tool_choice)
         messages = with_answer_context(session.prompt(r), language=ctx.language, tools=bool(tools))
         usage = LLMUsage()
+        asked = LLMRequest.of(
+            messages, max_tokens=r.token_limit, temperature=r.params.temperature, tools=tools, require_tool=must_call
+        )
         ahead = req.anticipation
         if ahead is not None:
-            asked = AnswerKey.of(
-                messages, tools, must_call, r.params.temperature, r.token_limit, r.params.speed, r.params.voice
-            )
-            if ahead.key == asked and not ahead.scope.stale:
+            if ahead.answers(asked, r.params.speed, r.params.voice) and not ahead.scope.stale:
                 stage.metrics.speculative_responses.inc(outcome="used")
                 usage = ahead.usage
             else:
@@ -105,27 +106,20 @@ class Responder:
             splitter = ToolCallFilter()
             try:
                 llm = stage.stack.llm
-                options: dict[str, Any] = {
-                    "max_tokens": r.token_limit,
-                    "temperature": r.params.temperature,
-                    "should_stop": stale,
-                    "usage": usage,
-                    "tools": tools,
-                    "require_tool": must_call,
-                }
-                if takes_turns(llm):
-                    options["urgent"] = lambda: not self._words_out
                 pieces: contextlib.AbstractAsyncContextManager[AsyncIterator[str]]
                 if ahead is not None and attempt == 0:
                     # Begun in the turn's closing silence: what it made so far, then the rest as it comes.
                     pieces = contextlib.nullcontext(ahead.adopt(scope))
                 elif isinstance(llm, AsyncLLM):
                     # A remote model streams on the loop: no thread held, and closing it closes its connection.
-                    pieces = contextlib.aclosing(_timed(llm.astream(messages, **options), stage.metrics))
-                else:
-                    pieces = contextlib.nullcontext(
-                        stage.pools["llm"].stream(functools.partial(llm.stream, messages, **options), gate=ctx.llm_gate)
+                    pieces = contextlib.aclosing(
+                        _timed(llm.astream(asked, should_stop=stale, usage=usage), stage.metrics)
                     )
+                else:
+                    answer = functools.partial(llm.stream, asked, should_stop=stale, usage=usage)
+                    if isinstance(llm, TakesTurns):
+                        answer = functools.partial(answer, urgent=lambda: not self._words_out)
+                    pieces = contextlib.nullcontext(stage.pools["llm"].stream(answer, gate=ctx.llm_gate))
                 async with pieces as stream:
                     async for piece in stream:
                         if scope.stale:
@@ -169,11 +163,11 @@ class Responder:
             if attempt == 0 and not spoke and len(problems) == len(calls):
                 # One retry, telling the model what was wrong with its call.
                 raw, why = problems[0]
-                messages = [
-                    *messages,
+                retry = (
                     ChatMessage("assistant", frame(raw)),
                     ChatMessage("tool", f"Error: {why}. Call the function again with valid arguments."),
-                ]
+                )
+                asked = dataclasses.replace(asked, messages=(*asked.messages, *retry))
                 continue
             # Still wrong: say so as an answer instead of sending a bad call.
             why = problems[0][1]
@@ -193,7 +187,7 @@ class Responder:
         speaks, and is cancelled with the session.
         """
         stage = self.stage
-        if getattr(stage.stack.llm, "prime", None) is None:
+        if not isinstance(stage.stack.llm, ReadsAhead):
             return
         stage.spawn(ctx.session.scope, self._prime(ctx), "prime")
 
@@ -213,7 +207,9 @@ class Responder:
         # As the next answer will see it, up to its user turn.
         messages = with_answer_context(messages, language=ctx.language, tools=bool(tools))
         try:
-            held = await pool.call(stage.stack.llm.prime, messages, tools, gate=ctx.llm_gate)  # type: ignore[attr-defined]
+            llm = stage.stack.llm
+            assert isinstance(llm, ReadsAhead)
+            held = await pool.call(llm.prime, messages, tools, gate=ctx.llm_gate)
         except Exception as exc:  # the next answer reads everything, as without it
             log.warning("slot %d: reading the conversation ahead failed: %r", stage.index, exc)
             stage.metrics.primes.inc(outcome="failed")

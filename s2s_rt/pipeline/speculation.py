@@ -21,17 +21,16 @@ from __future__ import annotations
 import asyncio
 import enum
 import functools
-import json
 import logging
 import threading
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from s2s_rt.engines.base import ChatMessage, Float32Array, Transcript
+from s2s_rt.engines.base import ChatMessage, Float32Array, JudgesTurnEnd, LLMRequest, TakesTurns, Transcript
 from s2s_rt.lifecycle import Lifecycle
 from s2s_rt.listening.buffer import join
-from s2s_rt.pipeline.anticipation import AnswerKey, Anticipation, can_anticipate, takes_turns
+from s2s_rt.pipeline.anticipation import Anticipation, can_anticipate
 from s2s_rt.pipeline.clauses import ClauseSplitter
 from s2s_rt.pipeline.turns import TurnState
 from s2s_rt.pipeline.work import ms_to_samples, samples_to_ms
@@ -299,8 +298,8 @@ class Speculator:
         if not text:  # nothing was said: no words to wait for
             self._judged(guess, 1.0)
             return
-        judge = getattr(self.stage.stack.llm, "turn_end_probability", None)
-        if judge is None:
+        llm = self.stage.stack.llm
+        if not isinstance(llm, JudgesTurnEnd):
             return
         answer = next((m for m in reversed(messages) if m.role == "assistant"), None)
         # The conversation's last answer (its end) gives the words their context; the instructions are left
@@ -309,7 +308,7 @@ class Speculator:
         judged = [ChatMessage("system", JUDGE_SYSTEM), *context, ChatMessage("user", text)]
         index = self.stage.index
         try:
-            finished = await self.stage.pools["llm"].call(judge, judged)
+            finished = await self.stage.pools["llm"].call(llm.turn_end_probability, judged)
         except Exception as exc:
             log.warning("slot %d: judging the end of the turn failed: %r", index, exc)
             return
@@ -359,50 +358,35 @@ class Speculator:
         tools, must_call = offered_tools(params.tools, params.tool_choice)
         language = words.language or self.language()
         messages = with_answer_context([*messages, ChatMessage("user", text)], language=language, tools=bool(tools))
-        key = AnswerKey.of(
-            messages, tools, must_call, params.temperature, params.token_limit, params.speed, params.voice
+        request = LLMRequest.of(
+            messages, max_tokens=params.token_limit, temperature=params.temperature, tools=tools, require_tool=must_call
         )
-        ahead = self.anticipation = Anticipation(key, Scope("anticipation", parent=session.scope))
+        scope = Scope("anticipation", parent=session.scope)
+        ahead = self.anticipation = Anticipation(request, params.speed, params.voice, scope)
         guess.step(Event.ANTICIPATE)
         speak = "audio" in params.modalities and not tools
         splitter = ClauseSplitter(first_words=stage.first_clause_words) if speak else None
-        if (
-            stage.spawn(
-                ahead.scope, _answer_ahead(stage, ahead, messages, splitter, stage.voice(params.voice)), "ahead"
-            )
-            is None
-        ):
+        answer = _answer_ahead(stage, ahead, splitter, stage.voice(params.voice))
+        if stage.spawn(ahead.scope, answer, "ahead") is None:
             ahead.end()  # its session is closing: nothing to adopt
 
 
 async def _answer_ahead(
-    stage: StageContext,
-    ahead: Anticipation,
-    messages: Sequence[ChatMessage],
-    splitter: ClauseSplitter | None,
-    voice: str | None,
+    stage: StageContext, ahead: Anticipation, splitter: ClauseSplitter | None, voice: str | None
 ) -> None:
     """Stream the answer into ``ahead``, and synthesise its first clause in ``voice`` if given a splitter.
 
     ``splitter`` is a fresh clause splitter, as the LLM stage would cut the answer (None: text only).
     """
     llm = stage.stack.llm
-    key = ahead.key
-    options = {
-        "max_tokens": key.max_tokens,
-        "temperature": key.temperature,
-        "should_stop": lambda: ahead.scope.stale,
-        "usage": ahead.usage,
-        "tools": json.loads(key.tools),
-        "require_tool": key.require_tool,
-    }
-    if takes_turns(llm):
+    stream = functools.partial(llm.stream, ahead.request, should_stop=lambda: ahead.scope.stale, usage=ahead.usage)
+    if isinstance(llm, TakesTurns):
         # Urgent until its first clause is cut (or, unspoken, its first words are out).
-        options["urgent"] = lambda: (ahead.first_clause is None) if splitter is not None else not ahead.pieces
+        stream = functools.partial(
+            stream, urgent=lambda: (ahead.first_clause is None) if splitter is not None else not ahead.pieces
+        )
     try:
-        async for piece in stage.pools["llm"].stream(
-            functools.partial(llm.stream, messages, **options), gate=ahead.gate
-        ):
+        async for piece in stage.pools["llm"].stream(stream, gate=ahead.gate):
             ahead.add(piece)
             if splitter is not None and ahead.first_audio is None:
                 clauses = splitter.feed(piece)
@@ -425,7 +409,7 @@ async def _speak_first_clause(
     try:
         async for audio in stage.pools["tts"].stream(
             lambda: stage.stack.tts.synthesize(
-                text, voice=voice, should_stop=lambda: ahead.scope.stale, speed=ahead.key.speed
+                text, voice=voice, should_stop=lambda: ahead.scope.stale, speed=ahead.speed
             )
         ):
             pieces.append(audio)

@@ -26,7 +26,7 @@ from typing import Any
 from websockets.asyncio.server import serve
 
 from s2s_rt.config import Config
-from s2s_rt.engines.base import Stack
+from s2s_rt.engines.base import KeepsPrefixes, Stack
 from s2s_rt.inference import StagePool
 from s2s_rt.listening.clock import ListeningClock
 from s2s_rt.metrics import Metrics
@@ -304,15 +304,13 @@ class Server:
 
     def _llm_prefixes(self) -> dict[str, int]:
         llm = self.stack.llm if self.stack is not None else None
-        prefixes = getattr(llm, "prefixes", None)
-        if prefixes is None:
+        if not isinstance(llm, KeepsPrefixes):
             return {}
-        turns = getattr(llm, "turns", None)
         return {
-            "prefix_tokens": prefixes.held_tokens,
-            "prefixes": len(prefixes),
-            "reloads": getattr(llm, "reloads", 0),
-            "answers_resumed": turns.resumed if turns is not None else 0,
+            "prefix_tokens": llm.prefixes.held_tokens,
+            "prefixes": len(llm.prefixes),
+            "reloads": llm.reloads,
+            "answers_resumed": llm.turns.resumed,
         }
 
     def _held_bytes(self) -> dict[str, int]:
