@@ -1,4 +1,4 @@
-"""The slot pool as clients see it: claims, rejection, readiness, quarantine."""
+"""The slot pool as clients see it (claims, rejection, readiness, quarantine), and Pool.claim on its own."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import contextlib
 import json
 import threading
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 from conftest import RealtimeClient, eventually, http_get, live_server, run, tone
 from websockets.asyncio.client import ClientConnection, connect
@@ -17,6 +17,8 @@ from websockets.exceptions import ConnectionClosed
 from s2s_rt import Server
 from s2s_rt.engines.base import Float32Array
 from s2s_rt.engines.fake import EnergyVAD, load_fake_stack
+from s2s_rt.server.pool import Pool
+from s2s_rt.slot import TRANSITIONS, Slot, SlotEvent, SlotState
 
 
 def test_pool_full_rejects_with_session_limit_reached_and_1013() -> None:
@@ -157,3 +159,85 @@ def test_a_client_waiting_for_a_draining_slot_is_refused_if_listening_filled_up_
                 flooding.cancel()
 
     run(scenario())
+
+
+# --- Pool.claim on its own: no server, slots that only keep a state ------------------------------------------
+
+
+class _Slot:
+    """What :class:`Pool` reads of a slot: its state, its session (none here), and who to tell when it changes."""
+
+    def __init__(self, state: SlotState) -> None:
+        self.state = state
+        self.ctx = None
+        self.on_change: list[Callable[[], None]] = []
+
+    def step(self, event: SlotEvent) -> None:
+        self.state = TRANSITIONS[(self.state, event)]
+
+    def drained(self) -> None:
+        self.step(SlotEvent.DRAINED)
+        for callback in self.on_change:
+            callback()
+
+
+def _pool(*states: SlotState) -> tuple[Pool, list[_Slot]]:
+    slots = [_Slot(state) for state in states]
+    return Pool(cast(list[Slot], slots)), slots
+
+
+def test_claim_takes_an_idle_slot_and_refuses_when_none_is_left_or_listening_is_full() -> None:
+    async def main() -> None:
+        pool, (only,) = _pool(SlotState.IDLE)
+        assert await pool.claim(lambda: False, 1.0) is None
+        assert only.state is SlotState.IDLE, "a refused claim leaves the slot alone"
+        assert await pool.claim(lambda: True, 1.0) is only
+        assert only.state is SlotState.ACTIVE
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        assert await pool.claim(lambda: True, 1.0) is None
+        assert loop.time() - t0 < 0.5, "nothing is about to be free: no wait"
+
+    asyncio.run(main())
+
+
+def test_claim_waits_for_a_draining_slot_only_while_it_drains() -> None:
+    async def main() -> None:
+        pool, (busy,) = _pool(SlotState.DRAINING)
+        claim = asyncio.create_task(pool.claim(lambda: True, 5.0))
+        await asyncio.sleep(0.05)
+        assert not claim.done(), "the claim waits for the draining slot"
+        busy.drained()
+        assert await asyncio.wait_for(claim, 1.0) is busy
+        assert busy.state is SlotState.ACTIVE
+
+    asyncio.run(main())
+
+
+def test_claim_asks_admits_again_after_the_wait() -> None:
+    async def main() -> None:
+        pool, (busy,) = _pool(SlotState.DRAINING)
+        full = False
+        claim = asyncio.create_task(pool.claim(lambda: not full, 5.0))
+        await asyncio.sleep(0.05)
+        full = True  # listening filled up while the claim waited
+        busy.drained()
+        assert await asyncio.wait_for(claim, 1.0) is None
+        assert busy.state is SlotState.IDLE
+
+    asyncio.run(main())
+
+
+def test_claim_gives_up_at_its_deadline_and_waits_for_nothing_once_refusing() -> None:
+    async def main() -> None:
+        pool, (busy,) = _pool(SlotState.DRAINING)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        assert await pool.claim(lambda: True, 0.1) is None
+        assert 0.09 <= loop.time() - t0 < 1.0
+        t0 = loop.time()
+        assert await pool.claim(lambda: True, 5.0, refusing=lambda: True) is None
+        assert loop.time() - t0 < 0.5, "a server that stops taking sessions waits for no drain"
+        assert busy.state is SlotState.DRAINING
+
+    asyncio.run(main())
