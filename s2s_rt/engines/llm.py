@@ -70,7 +70,7 @@ class CT2ChatLLM:
         temperature_scale: multiplies the temperature each answer asks for.
             Small models answer worse the more they sample: Qwen2.5-Coder-0.5B
             got 32 of the evaluation's 52 questions right at the Realtime
-            API's default 0.8 and 34 greedily (BENCHMARKS.md, "Answers");
+            API's default 0.8 and 34 greedily (BENCHMARKS.md, "How good are the answers");
             0.25 turns 0.8 into 0.2, where it answers as well as greedily
             and still varies.
         cached_system_prompts: system prompts whose model state is kept after

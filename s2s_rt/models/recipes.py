@@ -288,7 +288,8 @@ LLM_PRESETS = {
         requirements="requirements-models-best.txt",
     ),
 }
-#: Presets by what they are for: ``fast`` answers soonest, ``best`` answers best (BENCHMARKS.md, "Answers").
+#: Presets by what they are for: ``fast`` answers soonest, ``best`` answers best
+#: (BENCHMARKS.md, "How good are the answers").
 LLM_PRESETS["fast"] = LLM_PRESETS["tiny"]
 
 

@@ -18,6 +18,7 @@ adopting response is cancelled or fails.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -43,6 +44,9 @@ class Anticipation:
         self, request: LLMRequest, speed: float, voice: str, scope: Scope, gate: OneAtATime | None = None
     ) -> None:
         self.request = request
+        #: The tools as they were when asked, as JSON: a tool changed in place later, or ``true`` where ``1``
+        #: was, is another request (dicts compare ``True == 1``).
+        self._tools = json.dumps(request.tools, sort_keys=True)
         self.speed = speed
         self.voice = voice
         self.scope = scope
@@ -59,7 +63,12 @@ class Anticipation:
 
     def answers(self, request: LLMRequest, speed: float, voice: str) -> bool:
         """Whether a response asking ``request``, spoken at ``speed`` in ``voice``, would make this same answer."""
-        return request == self.request and speed == self.speed and voice == self.voice
+        return (
+            request == self.request
+            and json.dumps(request.tools, sort_keys=True) == self._tools
+            and speed == self.speed
+            and voice == self.voice
+        )
 
     def add(self, piece: str) -> None:
         """A piece of the answer came."""
