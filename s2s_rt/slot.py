@@ -192,7 +192,7 @@ class Slot:
         self._stages: tuple[Transcriber, Responder, Speaker] = (
             Transcriber(self.stage, serving, self.stt_q, self.llm_q),
             responder,
-            Speaker(self.stage, serving, self.tts_q, responder.prime_after),
+            Speaker(self.stage, serving, self.tts_q, self.listener.answered, responder.prime_after),
         )
         #: Owns the slot's own short tasks (closing a failed session's socket); never closed.
         self.scope = Scope(f"slot {index}")

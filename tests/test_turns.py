@@ -169,6 +169,37 @@ def test_idle_timeout_triggers_a_response_after_silence() -> None:
     run(scenario())
 
 
+def test_idle_time_counts_from_the_end_of_the_last_response() -> None:
+    """``idle_timeout_ms`` counts the user's silence since the answer ended, not since the audio began."""
+
+    async def heard_so_far(c: RealtimeClient) -> None:
+        # A buffer command follows the audio before it: its event means that audio was heard.
+        await c.send("input_audio_buffer.clear")
+        await c.until("input_audio_buffer.cleared")
+        c.events.clear()
+
+    async def scenario() -> None:
+        async with live_server() as server:
+            async with RealtimeClient.connect(server) as c:
+                await c.send(
+                    "session.update", session={"turn_detection": {"type": "server_vad", "idle_timeout_ms": 1000}}
+                )
+                await c.until("session.updated")
+                await c.append_audio(silence(0.7))
+                await heard_so_far(c)
+                done = await c.say_text("Hello there")
+                assert done["response"]["status"] == "completed"
+                # 0.7 s of silence since the answer (1.4 s since the audio began): not idle yet.
+                await c.append_audio(silence(0.7))
+                await heard_so_far(c)
+                assert c.of_type("input_audio_buffer.timeout_triggered") == []
+                await c.append_audio(silence(0.5))
+                trig = await c.until("input_audio_buffer.timeout_triggered")
+                assert trig["audio_end_ms"] >= 1650  # the answer ended at 700 ms of audio, plus 1000 ms
+
+    run(scenario())
+
+
 def test_ga_and_beta_clients_get_their_own_event_names() -> None:
     async def scenario() -> None:
         async with live_server() as server:

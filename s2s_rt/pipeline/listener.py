@@ -116,6 +116,10 @@ class Listener:
         ctx.audio.inbox.append(item)
         self.clock.wake(self)
 
+    def answered(self, ctx: SessionContext) -> None:
+        """A response ended: the session's idle time (``idle_timeout_ms``) counts from here."""
+        ctx.turns.idle_from = ctx.turns.position
+
     # --- what the clock drives (:class:`~s2s_rt.listening.clock.Listening`) ------------
 
     def listening(self) -> SessionAudio | None:

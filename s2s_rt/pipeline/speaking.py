@@ -33,6 +33,7 @@ class Speaker:
         stage: the slot's stage context.
         serving: the session the slot serves now.
         inbox: its queue (clauses, calls, response ends, session ends); what it makes goes to the outbox.
+        answered: called when a response ended (the listener counts idle time from then).
         prime_after: called when an answer ended (the responding stage reads the conversation ahead).
     """
 
@@ -41,11 +42,13 @@ class Speaker:
         stage: StageContext,
         serving: Callable[[], SessionContext | None],
         inbox: asyncio.Queue[Any],
+        answered: Callable[[SessionContext], None],
         prime_after: Callable[[SessionContext], None],
     ) -> None:
         self.stage = stage
         self.serving = serving
         self.inbox = inbox
+        self.answered = answered
         self.prime_after = prime_after
         self._resampler: Resampler | None = None
         self._resampling_for: str | None = None
@@ -74,7 +77,7 @@ class Speaker:
             events = session.finish_response(r)
             if events:
                 stage.metrics.turns.inc(status="completed")
-            ctx.turns.idle_from = ctx.turns.position
+            self.answered(ctx)
             await stage.outbox.emit(events, item.scope)
             if events:
                 self.prime_after(ctx)
