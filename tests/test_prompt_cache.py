@@ -82,8 +82,14 @@ def test_answers_from_the_kept_state_are_the_answers_without_it(
         differences.append(float(np.abs(plain._next_logits(kept, rest) - whole).max()))
         differences[-1] /= KEPT_STATE_TOLERANCE * max(1.0, float(np.abs(whole).max()))
     works = all(d <= 1.0 for d in differences)
-    assert cached.kept_state.trusted == works, (cached.kept_state, differences)
-    if not works:
+    trusted = cached.kept_state.trusted
+    # Never trusted where the server's own prompts read differently after it. It may be refused where these two
+    # happen to read the same: the check also reads short pieces, and on a CPU whose int8 kernels sum a block of
+    # fewer than 16-24 rows differently (this project's AMD EPYC, measured) a short turn read after a kept state
+    # differs even when a longer one does not.
+    assert works or not trusted, (cached.kept_state, differences)
+    if not trusted:
+        assert cached.kept_state.max_difference > cached.kept_state.tolerance
         assert "kept model state off" in caplog.text and not cached._static.prefixes
 
     for question in questions:
@@ -102,4 +108,4 @@ def test_answers_from_the_kept_state_are_the_answers_without_it(
         assert answers[0] == answers[1] == answers[2]
         # As response.done reports it (input_token_details.cached_tokens): the second answer from the cached
         # engine at the latest starts from the kept state, and says so.
-        assert cached_tokens[0] == 0 and cached_tokens[2] == (len(static.prefixes[0]) if works else 0)
+        assert cached_tokens[0] == 0 and cached_tokens[2] == (len(static.prefixes[0]) if trusted else 0)
