@@ -127,6 +127,11 @@ class Metrics:
             "s2s_speculative_responses_total",
             "Answers started in a turn's closing silence, by outcome (used, or discarded when speech returned).",
         )
+        self.tool_calls = Counter(
+            "s2s_tool_calls_total",
+            "Function calls the model made, by outcome: sent to the client, invalid (retried or told),"
+            " or repeated (the same call as one already answered: not sent, answered in words instead).",
+        )
         self.llm_prefixes = Gauge(
             "s2s_llm_engine",
             "The local LLM: conversation state kept (prefix_tokens, prefixes), model reloads to forget it,"

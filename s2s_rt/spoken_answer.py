@@ -36,21 +36,53 @@ ANSWER_EXAMPLES = (
 )
 
 
-#: Words of a turn that may need the date or time; the date costs the first
-#: token about 35 ms on two cores (26 tokens the model reads for every
-#: answer), so it is added only when the user's words are about time.
-_ABOUT_TIME = re.compile(
-    r"\b(today|tonight|tomorrow|yesterday|now|date|day|days|week|weekend|month|year|time|clock|o'clock|"
-    r"morning|afternoon|evening|midnight|noon|hour|hours|calendar|season|holiday|christmas|birthday|"
-    r"when|how long|ago|until|since|monday|tuesday|wednesday|thursday|friday|saturday|sunday)\b",
+_WEEKDAY = r"(monday|tuesday|wednesday|thursday|friday|saturday|sunday)"
+_NUMBER = (
+    r"(\d+|a|an|one|two|three|four|five|six|seven|eight|nine|ten|eleven|twelve|fifteen|twenty|thirty|forty|fifty"
+    r"|sixty|ninety|a few|few|several|half an?)"
+)
+#: Words that ask for the date (the day, the month, the year, how far away a day is).
+_ASKS_DATE = re.compile(
+    r"\b(what|which|tell me)('s| is| was| will)?( the| today's| tomorrow's| yesterday's)? (date|day|year|month)\b"
+    r"(?! (comes|came|is (after|before)|has|have|of the (month|year)\b(?! is)|are|do|does|did)\b)"
+    r"|\b(today's|tomorrow's|yesterday's|the current|current) (date|day|year|month)\b"
+    r"|\bday of the week (is (it|today|tomorrow)|today|tomorrow)\b|\bwhat day\b.*\b(today|tomorrow|yesterday)\b"
+    rf"|\b(is|was|will) (it|today|tomorrow|yesterday)( be)? (a )?{_WEEKDAY}\b"
+    r"|\bhow (many|much) (days|weeks|months|years|time)( are| is)?( (there|left))?"
+    r" (until|till|to go|before|since|left)\b"
+    r"|\bhow long (until|till|ago|since|before)\b|\bhow long is it (until|till|since)\b"
+    r"|\bwhat('s| is) today\b|\bwhat date\b",
+    re.IGNORECASE,
+)
+#: Words that ask for the clock time, or a time reckoned from it ("in twenty minutes", "an hour from now").
+_ASKS_TIME = re.compile(
+    r"\b(what|tell me)('s| is)?( the)?( current| exact)? time\b(?! (zone|does|do|did|of|for|to)\b)"
+    r"|\btime is it\b|\bthe time (now|right now|here)\b|\bcurrent time\b|\bwhat hour\b"
+    rf"|(?<!there )(?<!are )\bin {_NUMBER}( and a half)? (minutes?|hours?|mins?)\b"
+    rf"|\b{_NUMBER} (minutes?|hours?) from now\b"
+    r"|\bhow (long|many (minutes|hours)) (until|till|since|before|ago)\b",
     re.IGNORECASE,
 )
 
 
-def date_context(now: datetime) -> str:
-    """The sentence that tells the model the date and time of the answer (the server's local time)."""
+def asks_date(words: str) -> bool:
+    """Whether the user's words ask for today's date, or for a day reckoned from it (a weekday, days until…)."""
+    return _ASKS_DATE.search(words) is not None
+
+
+def asks_time(words: str) -> bool:
+    """Whether the user's words ask for the clock time, or for a time reckoned from it ("in twenty minutes")."""
+    return _ASKS_TIME.search(words) is not None
+
+
+def date_context(now: datetime, *, date: bool = True, clock: bool = True) -> str:
+    """The sentence that tells the model today's date, the clock time, or both (the server's local time)."""
     hour = now.hour % 12 or 12
-    return f"Today is {now:%A}, {now:%B} {now.day}, {now.year}, and the time is {hour}:{now:%M} {now:%p}."
+    day = f"Today is {now:%A}, {now:%B} {now.day}, {now.year}"
+    time = f"the time is {hour}:{now:%M} {now:%p}"
+    if date and clock:
+        return f"{day}, and {time}."
+    return f"{day}." if date else f"{time[0].upper()}{time[1:]}."
 
 
 def language_context(language: str | None) -> str:
@@ -86,10 +118,12 @@ def with_answer_context(
         tools: functions are offered to the model.
         examples: add :data:`ANSWER_EXAMPLES` where they belong (off only to measure them).
     """
-    if messages and messages[-1].role == "user" and _ABOUT_TIME.search(messages[-1].content):
+    words = messages[-1].content if messages and messages[-1].role == "user" else ""
+    date, clock = asks_date(words), asks_time(words)
+    if date or clock:
         # After the question, not in the system message, which then stays the same from one answer to
         # the next (the server keeps the model state of the conversation so far: CT2ChatLLM.prime).
-        dated = f"{messages[-1].content}\n\n({date_context(now or datetime.now())})"
+        dated = f"{words}\n\n({date_context(now or datetime.now(), date=date, clock=clock)})"
         messages = [*messages[:-1], ChatMessage("user", dated)]
     context = language_context(language)
     system = messages[0].content if messages and messages[0].role == "system" else None

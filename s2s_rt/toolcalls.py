@@ -119,10 +119,31 @@ def parse_call(raw: str, tools: list[dict[str, Any]]) -> tuple[str, str]:
             raise ToolCallError("the arguments are not valid JSON") from None
     if not isinstance(args, dict):
         raise ToolCallError("the arguments must be a JSON object")
-    problems = schema_errors(args, tool.get("parameters") or {"type": "object"})
+    schema = tool.get("parameters") or {"type": "object"}
+    problems = schema_errors(undeclared_dropped(args, schema), schema)
     if problems:
         raise ToolCallError(f"invalid arguments for {name}: " + "; ".join(problems))
-    return name, json.dumps(args)
+    return name, json.dumps(undeclared_dropped(args, schema))
+
+
+def undeclared_dropped(value: Any, schema: dict[str, Any]) -> Any:
+    """``value`` without the properties a schema that forbids others (``additionalProperties: false``) does not declare.
+
+    Small models add what the schema never asked for (a ``"time"`` beside
+    the ``"city"`` of a weather call); where the function forbids it, the
+    call is sent without it rather than refused.
+    """
+    if isinstance(value, dict):
+        props = schema.get("properties", {})
+        closed = schema.get("additionalProperties") is False
+        return {
+            key: undeclared_dropped(sub, props[key]) if isinstance(props.get(key), dict) else sub
+            for key, sub in value.items()
+            if key in props or not closed
+        }
+    if isinstance(value, list) and isinstance(schema.get("items"), dict):
+        return [undeclared_dropped(sub, schema["items"]) for sub in value]
+    return value
 
 
 _TYPES: dict[str, tuple[type, ...]] = {

@@ -36,11 +36,42 @@ def test_english_needs_no_language_instruction() -> None:
     assert language_context("en") == language_context(None) == ""
 
 
-def test_a_question_about_time_gets_the_date_after_it_and_the_system_message_stays_the_same() -> None:
+def test_a_question_about_the_day_gets_the_date_after_it_and_the_system_message_stays_the_same() -> None:
     messages = [ChatMessage("system", "Be brief."), ChatMessage("user", "What day is it today?")]
     system, user = with_answer_context(messages, now=THURSDAY)
     assert system == messages[0]
-    assert user.content == "What day is it today?\n\n(Today is Thursday, June 12, 2025, and the time is 3:40 PM.)"
+    assert user.content == "What day is it today?\n\n(Today is Thursday, June 12, 2025.)"
+
+
+def test_a_question_about_the_clock_gets_the_time_and_a_time_reckoned_from_now_gets_it_too() -> None:
+    for words in ("What time is it?", "Set an alarm in twenty minutes."):
+        _, user = with_answer_context([ChatMessage("system", "Be brief."), ChatMessage("user", words)], now=THURSDAY)
+        assert user.content == f"{words}\n\n(The time is 3:40 PM.)"
+
+
+@pytest.mark.parametrize(
+    "words",
+    [
+        "How old was Albert Einstein when he died?",
+        "It's going to rain this weekend.",
+        "What's the weather in Lisbon right now?",
+        "Is it cold in Oslo today?",
+        "Wake me up at six thirty tomorrow.",
+        "Thanks, that's all for now.",
+        "Good morning!",
+        "How many hours are there in a day?",
+        "What month comes after March?",
+        "Hello, how are you today?",
+        "What year did the Titanic sink?",
+        "How many minutes are there in three and a half hours?",
+        "What time zone is Paris in?",
+        "What is the first day of the week?",
+    ],
+)
+def test_words_that_mention_time_without_asking_for_it_get_no_date(words: str) -> None:
+    """Only a question about the date or the clock is told them: told anyway, small models repeat them."""
+    messages = [ChatMessage("system", "Be brief."), ChatMessage("user", words)]
+    assert with_answer_context(messages, now=THURSDAY) == messages
 
 
 def test_other_questions_do_not_pay_for_reading_the_date() -> None:
@@ -70,9 +101,7 @@ def test_no_examples_when_functions_are_offered_or_the_client_gave_instructions(
 
 def test_a_conversation_without_instructions_gets_a_system_message_only_for_a_context() -> None:
     (user,) = with_answer_context([ChatMessage("user", "What time is it?")], now=THURSDAY)
-    assert user == ChatMessage(
-        "user", "What time is it?\n\n(Today is Thursday, June 12, 2025, and the time is 3:40 PM.)"
-    )
+    assert user == ChatMessage("user", "What time is it?\n\n(The time is 3:40 PM.)")
     system, user = with_answer_context([ChatMessage("user", "Hallo")], language="de")
     assert (system, user) == (
         ChatMessage("system", "The user speaks German: answer in German."),

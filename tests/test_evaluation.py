@@ -47,20 +47,42 @@ def test_word_error_rate_does_not_count_numbers_written_as_digits() -> None:
     assert one_wrong == pytest.approx(1 / 6)
 
 
-def test_the_function_calling_set_is_ten_calls_to_two_tools_and_five_without() -> None:
-    assert len([r for r in REQUESTS if r.function]) == 10
-    assert len([r for r in REQUESTS if r.function is None]) == 5
-    assert {r.function for r in REQUESTS if r.function} == {t["name"] for t in TOOLS} == {"get_weather", "set_timer"}
+def test_the_function_calling_set_is_ten_round_trips_over_three_tools_and_six_without() -> None:
+    needing = [r for r in REQUESTS if r.function]
+    assert len(needing) == 10 and all(r.result and r.says for r in needing)
+    assert len([r for r in REQUESTS if r.function is None]) == 6
+    assert {r.function for r in needing} == {t["name"] for t in TOOLS}
+    assert {t["name"] for t in TOOLS} == {"get_weather", "set_alarm", "convert_currency"}
+
+
+ALARM = ToolRequest("Wake me up at six thirty.", "set_alarm", {"time": "06:30"}, {"ok": True}, (r"six thirty",))
 
 
 def test_a_call_is_right_with_the_expected_function_and_arguments() -> None:
-    timer = ToolRequest("Set a timer for ten minutes.", "set_timer", {"minutes": 10})
-    assert timer.is_right(CallResult([("set_timer", {"minutes": 10, "label": "tea"})], [], ""))
-    assert not timer.is_right(CallResult([("set_timer", {"minutes": 5})], [], ""))
-    assert not timer.is_right(CallResult([], [], "Sure, ten minutes."))
+    assert ALARM.is_right(CallResult([("set_alarm", {"time": "6:30", "label": "wake up"})], [], ""))
+    assert not ALARM.is_right(CallResult([("set_alarm", {"time": "18:30"})], [], ""))
+    assert not ALARM.is_right(CallResult([], [], "Sure, six thirty."))
     chat = ToolRequest("Tell me a joke.")
     assert chat.is_right(CallResult([], [], "Why did the chicken cross the road?"))
     assert not chat.is_right(CallResult([("get_weather", {"city": "Paris"})], [], ""))
+
+
+def test_a_round_trip_is_right_only_when_the_answer_says_the_result_in_words() -> None:
+    assert ALARM.answer_uses_result(CallResult([], [], "Your alarm is set for 6:30."))
+    assert ALARM.answer_uses_result(CallResult([], [], "Done, I'll wake you at six thirty."))
+    assert not ALARM.answer_uses_result(CallResult([], [], '{"ok": true, "time": "06:30"}'))
+    assert not ALARM.answer_uses_result(CallResult([("set_alarm", {"time": "06:30"})], [], ""))
+    assert not ALARM.answer_uses_result(CallResult([], [], "Sorry, I can't set alarms."))
+
+
+def test_a_date_the_request_did_not_ask_for_is_seen_in_the_arguments() -> None:
+    weather = next(r for r in REQUESTS if r.function == "get_weather")
+    assert weather.dated_arguments(
+        CallResult([("get_weather", {"city": "Paris", "time": "2026-12-01T14:57:00"})], [], "")
+    )
+    assert weather.dated_arguments(CallResult([("get_weather", {"city": "Paris", "when": "2:57 PM"})], [], ""))
+    assert not weather.dated_arguments(CallResult([("get_weather", {"city": "Paris"})], [], ""))
+    assert not ALARM.dated_arguments(CallResult([("set_alarm", {"time": "06:30"})], [], ""))
 
 
 @pytest.mark.slow

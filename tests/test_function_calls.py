@@ -9,13 +9,15 @@ the wire too.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
-from conftest import RealtimeClient, live_server, run
+from conftest import RealtimeClient, http_get, live_server, run
 from openai import AsyncOpenAI
 
 from s2s_rt.engines.base import Stack
 from s2s_rt.engines.fake import load_fake_stack
+from s2s_rt.toolcalls import parse_call
 
 WEATHER = {
     "type": "function",
@@ -139,6 +141,65 @@ def test_invalid_arguments_are_retried_once_then_reported_as_text(engines: Stack
                 assert said.startswith("Sorry, I could not make that call") and "city is required" in said
 
     run(scenario())
+
+
+async def call_and_answer(c: RealtimeClient, words: str, output: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A user turn that makes a call, the client's result for it, and the response to that result."""
+    done = await c.say_text(words)
+    [call] = done["response"]["output"]
+    assert call["type"] == "function_call"
+    await c.send(
+        "conversation.item.create",
+        item={"type": "function_call_output", "call_id": call["call_id"], "output": output},
+    )
+    await c.until("conversation.item.added")
+    await c.send("response.create")
+    return call, await c.until("response.done")
+
+
+def test_a_call_made_again_while_answering_its_result_is_not_sent_and_the_result_is_answered(engines: Stack) -> None:
+    """A client library runs every call it gets: the same call again would be run again, until its turn limit."""
+
+    async def scenario() -> None:
+        async with live_server(engines) as server:
+            async with RealtimeClient.connect(server) as c:
+                await c.send("session.update", session={"tools": [WEATHER]})
+                _, answer = await call_and_answer(c, "please get_weather Paris [[repeat-call]]", '{"temp": 21}')
+                [message] = answer["response"]["output"]
+                assert answer["response"]["status"] == "completed"
+                assert message["type"] == "message"
+                assert message["content"][0]["transcript"] == 'You said: the result is {"temp": 21}.'
+                added = [e["item"] for e in c.of_type("response.output_item.added")]
+                assert [i["type"] for i in added] == ["function_call", "message"]
+                assert len(c.of_type("response.function_call_arguments.done")) == 1
+                status, metrics = await http_get(server, "/metrics")
+                assert status == 200
+                assert 's2s_tool_calls_total{outcome="repeated"} 1' in metrics
+                assert 's2s_tool_calls_total{outcome="sent"} 1' in metrics
+
+    run(scenario())
+
+
+def test_the_same_request_in_a_later_turn_is_a_new_call(engines: Stack) -> None:
+    async def scenario() -> None:
+        async with live_server(engines) as server:
+            async with RealtimeClient.connect(server) as c:
+                await c.send("session.update", session={"tools": [WEATHER]})
+                first, _ = await call_and_answer(c, "please get_weather Paris", '{"temp": 21}')
+                again = await c.say_text("please get_weather Paris")
+                [call] = again["response"]["output"]
+                assert call["type"] == "function_call" and call["call_id"] != first["call_id"]
+                assert json.loads(call["arguments"]) == json.loads(first["arguments"])
+
+    run(scenario())
+
+
+def test_arguments_a_closed_schema_does_not_declare_are_left_out_of_the_call() -> None:
+    closed = {**WEATHER, "parameters": {**WEATHER["parameters"], "additionalProperties": False}}
+    raw = json.dumps({"name": "get_weather", "arguments": {"city": "Lisboa", "unit": "celsius", "time": "14:57"}})
+    assert json.loads(parse_call(raw, [closed])[1]) == {"city": "Lisboa", "unit": "celsius"}
+    # A schema that allows other properties (JSON Schema's default) gets the call as the model made it.
+    assert json.loads(parse_call(raw, [WEATHER])[1])["time"] == "14:57"
 
 
 def test_openai_sdk_function_call_round_trip(engines: Stack) -> None:

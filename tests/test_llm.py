@@ -8,6 +8,7 @@ them, about 10 s). Each model is loaded once for the module.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import threading
 import time
@@ -15,11 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from s2s_rt.engines.base import ChatMessage, LLMRequest, LLMUsage
-from s2s_rt.engines.chat_formats import ChatML
+from s2s_rt.engines.base import ChatMessage, FunctionCall, LLMRequest, LLMUsage
+from s2s_rt.engines.chat_formats import ChatML, result_words
 from s2s_rt.engines.llm import CT2ChatLLM
 from s2s_rt.engines.tokenizing import TextStream
 from s2s_rt.models import ModelError
+from s2s_rt.protocol.prompt import call_message
 from s2s_rt.toolcalls import CallFraming
 
 pytestmark = pytest.mark.slow
@@ -299,6 +301,60 @@ def test_tools_are_described_in_the_system_turn_and_results_come_back_as_one_use
         '\n<tool_response>\n{"sky": "rain"}\n</tool_response>\n'
     )
     assert opening == "assistant\n"
+
+
+def _round_trip(result: str = '{"sky": "sunny", "temperature_c": 17}') -> list[ChatMessage]:
+    call = FunctionCall("get_weather", '{"city": "Paris"}', "call_1")
+    return [
+        ChatMessage("system", "Be brief."),
+        ChatMessage("user", "Weather in Paris?"),
+        call_message(call),
+        ChatMessage("tool", result, answers=call),
+    ]
+
+
+def test_a_result_is_shown_as_words_after_the_request_it_answers_without_the_tools(default_llm: CT2ChatLLM) -> None:
+    chat = default_llm._chat.encode(_round_trip(), [WEATHER])
+    system, user, opening = [default_llm._tokenizer.decode(turn) for turn in chat.turns]
+    assert system == "system\nBe brief.\n"
+    assert user == "user\nWeather in Paris?\n\n(get_weather says: sky: sunny, temperature c: 17)\n"
+    assert opening == "assistant\n"
+
+
+def test_a_required_call_after_a_result_still_sees_the_tools(default_llm: CT2ChatLLM) -> None:
+    chat = default_llm._chat.encode(_round_trip(), [WEATHER], require_tool=True)
+    turns = [default_llm._tokenizer.decode(turn) for turn in chat.turns]
+    assert "# Tools" in turns[0] and turns[-1] == "assistant\n<tool_call>\n"
+
+
+def test_a_call_still_waiting_for_its_result_is_shown_as_the_model_wrote_it(default_llm: CT2ChatLLM) -> None:
+    chat = default_llm._chat.encode(_round_trip()[:3], [WEATHER])
+    call = default_llm._tokenizer.decode(chat.turns[-2])
+    assert call == 'assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+
+
+@pytest.mark.parametrize(
+    ("output", "words"),
+    [
+        ('{"ok": true, "time": "06:30", "label": null}', "ok: yes, time: 06:30, label: none"),
+        ('{"wind": {"speed_kmh": 12}, "days": ["Mon", "Tue"]}', "wind speed kmh: 12, days: Mon, Tue"),
+        ("It is sunny.", "It is sunny."),
+    ],
+)
+def test_a_result_reads_as_words(output: str, words: str) -> None:
+    assert result_words(output) == words
+
+
+def test_the_default_model_answers_a_result_shown_as_words_in_words_that_use_it(default_llm: CT2ChatLLM) -> None:
+    said = "".join(
+        default_llm.stream(
+            LLMRequest.of(_round_trip(), max_tokens=40, temperature=0, tools=[WEATHER]),
+            should_stop=_never,
+            usage=LLMUsage(),
+        )
+    )
+    assert "<tool_call>" not in said and "{" not in said
+    assert re.search(r"sunny|17|seventeen", said, re.IGNORECASE), said
 
 
 def test_a_required_call_is_begun_in_the_prompt(default_llm: CT2ChatLLM) -> None:

@@ -9,6 +9,7 @@ state) is created by the engine and kept by the slot.
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -67,10 +68,55 @@ class STT(Protocol):
         ...
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
+class FunctionCall:
+    """A function call the assistant made: which function, with what, and the id its result answers."""
+
+    name: str
+    #: The arguments as the JSON object text the call carries.
+    arguments: str
+    call_id: str | None = None
+
+    def same_as(self, other: FunctionCall) -> bool:
+        """Whether ``other`` asks the same function for the same thing (arguments equal as JSON;
+        strings compared without case or surrounding spaces)."""
+        return self.name == other.name and _comparable(self.arguments) == _comparable(other.arguments)
+
+
+def _comparable(arguments: str) -> Any:
+    def fold(value: Any) -> Any:
+        if isinstance(value, str):
+            return value.strip().casefold()
+        if isinstance(value, dict):
+            return {k: fold(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [fold(v) for v in value]
+        return value
+
+    try:
+        return fold(json.loads(arguments))
+    except ValueError:
+        return arguments
+
+
+@dataclass(frozen=True, slots=True)
 class ChatMessage:
+    """One message of the conversation a chat model reads.
+
+    A function call is an ``assistant`` message whose content is the call
+    as the model writes it (:func:`s2s_rt.toolcalls.frame`) and whose
+    ``call`` says what it is; its result is a ``tool`` message whose
+    ``answers`` names that call. A chat format renders the pair as suits its
+    model (:mod:`s2s_rt.engines.chat_formats`); a remote endpoint gets them
+    as native tool calls.
+    """
+
     role: str  # "system" | "user" | "assistant" | "tool" (a function's result)
     content: str
+    #: An assistant message that is a function call: the call.
+    call: FunctionCall | None = None
+    #: A tool message: the call it is the result of (None: a result whose call is gone).
+    answers: FunctionCall | None = None
 
 
 @dataclass(slots=True)

@@ -163,10 +163,13 @@ def fake_tool_call(
     Arguments fill the schema's required properties (the word after the
     tool's name for strings). ``[[bad-args]]`` in the user's words leaves
     them out on the first try; ``[[always-bad]]`` on every try.
+    ``[[repeat-call]]`` makes the same call again when its result comes
+    back, as small models do with the functions in view.
     """
     last = messages[-1] if messages else None
     if last is not None and last.role == "tool" and not last.content.startswith("Error:"):
-        return None  # a result came back: answer in words
+        if "[[repeat-call]]" not in user:
+            return None  # a result came back: answer in words
     retry = last is not None and last.role == "tool"
     words = user.replace("?", " ").replace(".", " ").split()
     tool = next((t for t in tools if t.get("name") in words), tools[0] if required else None)

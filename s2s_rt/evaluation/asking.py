@@ -16,9 +16,11 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from s2s_rt.engines.base import LLM, TTS, ChatMessage, LLMRequest, LLMUsage
+from s2s_rt.engines.base import LLM, TTS, ChatMessage, FunctionCall, LLMRequest, LLMUsage
 from s2s_rt.pipeline.clauses import ClauseSplitter
+from s2s_rt.pipeline.responding import answered_calls
 from s2s_rt.protocol.config import DEFAULT_MAX_OUTPUT_TOKENS
+from s2s_rt.protocol.prompt import call_message
 from s2s_rt.spoken_answer import with_answer_context
 from s2s_rt.toolcalls import Call, Text, ToolCallError, ToolCallFilter, parse_call
 
@@ -43,6 +45,16 @@ class CallResult:
     #: Calls that failed the schema check, with the reason.
     invalid: list[str]
     text: str
+
+
+@dataclass(slots=True)
+class RoundTrip:
+    """A request's first answer, and the answer to its call's result (None: no call was made)."""
+
+    first: CallResult
+    answer: CallResult | None
+    #: Calls in the answer identical to one already answered (not sent; the answer was asked again without tools).
+    repeated: int
 
 
 class Assistant:
@@ -120,13 +132,34 @@ class Assistant:
 
     def call(self, text: str, tools: Sequence[dict[str, Any]]) -> CallResult:
         """One user turn with ``tools`` on offer (``tool_choice`` auto), parsed as the server parses it."""
+        return self._ask_tools(self.messages(text, tools=bool(tools)), tools)
+
+    def round_trip(self, text: str, tools: Sequence[dict[str, Any]], output: str) -> RoundTrip:
+        """A call, its result handed back as ``output``, and the answer to it, as a client library runs it.
+
+        The conversation after the call is built as the server builds it
+        from the client's ``function_call_output``; a call the answer makes
+        again with the same arguments is not sent, and the answer is asked
+        again without the tools, as the server does.
+        """
+        messages = self.messages(text, tools=bool(tools))
+        first = self._ask_tools(messages, tools)
+        if not first.calls:
+            return RoundTrip(first, None, repeated=0)
+        for n, (name, arguments) in enumerate(first.calls):
+            call = FunctionCall(name, json.dumps(arguments), f"call_{n}")
+            messages += [call_message(call), ChatMessage("tool", output, answers=call)]
+        answer = self._ask_tools(messages, tools)
+        made = [FunctionCall(name, json.dumps(arguments)) for name, arguments in answer.calls]
+        answered = answered_calls(messages)
+        repeated = sum(any(c.same_as(done) for done in answered) for c in made)
+        if repeated and repeated == len(made) and not answer.text:
+            answer = self._ask_tools(messages, ())
+        return RoundTrip(first, answer, repeated)
+
+    def _ask_tools(self, messages: list[ChatMessage], tools: Sequence[dict[str, Any]]) -> CallResult:
         usage = LLMUsage()
-        asked = LLMRequest.of(
-            self.messages(text, tools=bool(tools)),
-            max_tokens=self.max_tokens,
-            temperature=self.temperature,
-            tools=tools,
-        )
+        asked = LLMRequest.of(messages, max_tokens=self.max_tokens, temperature=self.temperature, tools=tools)
         stream = self.llm.stream(asked, should_stop=lambda: False, usage=usage)
         splitter = ToolCallFilter()
         parts = [part for piece in stream for part in splitter.feed(piece)]

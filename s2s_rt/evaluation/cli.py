@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--typed-only", action="store_true", help="skip the spoken questions")
     parser.add_argument("--no-tools", action="store_true", help="skip the function-calling set")
+    parser.add_argument("--tools-only", action="store_true", help="only the function-calling set (typed only)")
     parser.add_argument("--detect", choices=["served", "any"], default="served", help="languages Whisper detects among")
     parser.add_argument("--instructions", help="session instructions (default: a default session's)")
     parser.add_argument("--temperature", type=float, help="session temperature (default: the server's)")
@@ -72,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         return _answer_one(args)
     voices = [Voice(*label.split(":", 1)) for label in args.voices]
     hearing: dict[str, Any] = {"voices": [], "clips": []}
+    if args.tools_only:
+        args.typed_only = True
     if not args.typed_only:
         missing = missing_programs(tuple(voices))
         if missing:
@@ -83,7 +86,15 @@ def main(argv: list[str] | None = None) -> int:
     for preset in args.llm:
         out = args.out / f"answers-{Path(preset).name}.json"
         command = [sys.executable, "-m", "s2s_rt.evaluation", "--one", preset, "--out", str(args.out)]
-        command += [flag for flag, on in (("--typed-only", args.typed_only), ("--no-tools", args.no_tools)) if on]
+        command += [
+            flag
+            for flag, on in (
+                ("--typed-only", args.typed_only),
+                ("--no-tools", args.no_tools),
+                ("--tools-only", args.tools_only),
+            )
+            if on
+        ]
         command += ["--no-context"] if args.no_context else []
         command += ["--no-examples"] if args.no_examples else []
         command += ["--seed", str(args.seed)]
@@ -219,7 +230,7 @@ def _answer_one(args: argparse.Namespace) -> int:
     seed = _seeder(args.seed)
     assistant.answer("Hello!")  # warm-up: first calls allocate
     typed = []
-    for q in QUESTIONS:
+    for q in () if args.tools_only else QUESTIONS:
         seed()
         a = assistant.answer(q.text)
         typed.append({"question": q.text, "kind": q.kind, "answer": a.text, "right": is_right(q, a.text),
@@ -242,11 +253,26 @@ def _answer_one(args: argparse.Namespace) -> int:
     if not args.no_tools:
         for request in REQUESTS:
             seed()
-            called = assistant.call(request.text, TOOLS)
-            right = request.is_right(called)
-            calls.append({"request": request.text, "expected": request.function, "calls": called.calls,
-                          "invalid": called.invalid, "text": called.text, "right": right})  # fmt: skip
-            print(("+ " if right else "- ") + f"{request.text} => {called.calls or called.text!r}")
+            trip = assistant.round_trip(request.text, TOOLS, request.output)
+            first, answer = trip.first, trip.answer
+            row: dict[str, Any] = {
+                "request": request.text,
+                "expected": request.function,
+                "calls": first.calls,
+                "invalid": first.invalid,
+                "text": first.text,
+                "right": request.is_right(first),
+                "dated_arguments": request.dated_arguments(first),
+            }
+            if request.function is not None:
+                row["answer"] = None if answer is None else {"calls": answer.calls, "text": answer.text}
+                row["repeated"] = trip.repeated
+                row["round_trip_right"] = answer is not None and row["right"] and request.answer_uses_result(answer)
+            calls.append(row)
+            said = first.calls or first.text
+            then = f" -> {answer.calls or answer.text!r}" if answer is not None else ""
+            mark = "+ " if row.get("round_trip_right", row["right"]) else "- "
+            print(mark + f"{request.text} => {said!r}{then}", flush=True)
     finished = read_proc(os.getpid())
     result = {
         "preset": preset,
@@ -298,20 +324,25 @@ def _report(hearing: dict[str, Any], results: list[dict[str, Any]]) -> str:
     if not results:
         return "\n".join(lines) + "\n"
     lines += [
-        "| preset | typed right | spoken right | tool calls right | first token p50 | first audio p50 | RSS |",
-        "|---|---|---|---|---|---|---|",
+        "| preset | typed right | spoken right | first call right | round trip right | repeated calls"
+        " | spurious calls | first token p50 | first audio p50 | RSS |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         typed, spoken, calls = r["typed"], r["spoken"], r["calls"]
+        needing = [c for c in calls if c["expected"] is not None]
+        needless = [c for c in calls if c["expected"] is None]
 
-        def share(rows: list[dict[str, Any]]) -> str:
-            right = sum(row["right"] for row in rows)
+        def share(rows: list[dict[str, Any]], key: str = "right") -> str:
+            right = sum(bool(row.get(key)) for row in rows)
             return f"{right}/{len(rows)} ({100 * right / len(rows):.0f} %)" if rows else "-"
 
+        spurious = sum(bool(c["calls"]) for c in needless)
         lines.append(
-            f"| {r['preset']} | {share(typed)} | {share(spoken)} | {share(calls)} | "
-            f"{_median_ms([t['first_token_s'] for t in typed])} ms | {_median_ms([t['first_audio_s'] for t in typed])}"
-            f" ms | {r['rss_peak_mb']:.0f} MB |"
+            f"| {r['preset']} | {share(typed)} | {share(spoken)} | {share(needing)} |"
+            f" {share(needing, 'round_trip_right')} | {sum(c.get('repeated', 0) for c in needing)} |"
+            f" {spurious}/{len(needless)} | {_median_ms([t['first_token_s'] for t in typed])} ms |"
+            f" {_median_ms([t['first_audio_s'] for t in typed])} ms | {r['rss_peak_mb']:.0f} MB |"
         )
     for r in results:
         kinds = Counter(t["kind"] for t in r["typed"])

@@ -8,10 +8,19 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from s2s_rt.engines.base import AsyncLLM, ChatMessage, LLMError, LLMRequest, LLMUsage, ReadsAhead, TakesTurns
+from s2s_rt.engines.base import (
+    AsyncLLM,
+    ChatMessage,
+    FunctionCall,
+    LLMError,
+    LLMRequest,
+    LLMUsage,
+    ReadsAhead,
+    TakesTurns,
+)
 from s2s_rt.inference import EngineTimeout
 from s2s_rt.pipeline.anticipation import Anticipation
 from s2s_rt.pipeline.clauses import ClauseSplitter
@@ -101,7 +110,9 @@ class Responder:
         clauses = ClauseSplitter(first_words=stage.first_clause_words)
         spoke = False
         self._words_out = False
-        for attempt in range(2):
+        answered = answered_calls(asked.messages)
+        told_invalid = False
+        for attempt in range(3):
             calls: list[str] = []
             splitter = ToolCallFilter()
             try:
@@ -151,17 +162,32 @@ class Responder:
                 stage.metrics.dropped_stale.inc(stage="llm")
                 return
             problems = []
+            sent = repeated = 0
             for raw in calls:
                 try:
                     name, arguments = parse_call(raw, tools)
                 except ToolCallError as exc:
+                    stage.metrics.tool_calls.inc(outcome="invalid")
                     problems.append((raw, str(exc)))
                     continue
+                if any(FunctionCall(name, arguments).same_as(done) for done in answered):
+                    # Its result is in the conversation already: a client would run it again, and again.
+                    stage.metrics.tool_calls.inc(outcome="repeated")
+                    log.info("slot %d: the model called %s again with the same arguments; not sent", stage.index, name)
+                    repeated += 1
+                    continue
+                stage.metrics.tool_calls.inc(outcome="sent")
                 await self.to_tts.put(CallOut(scope, r, name, arguments))
+                sent += 1
+            if repeated and not sent and not spoke and asked.tools:
+                # Ask for the answer again with the functions out of view: the result is what it has to say.
+                asked = dataclasses.replace(asked, tools=(), require_tool=False)
+                continue
             if not problems:
                 break
-            if attempt == 0 and not spoke and len(problems) == len(calls):
+            if not told_invalid and not spoke and len(problems) == len(calls):
                 # One retry, telling the model what was wrong with its call.
+                told_invalid = True
                 raw, why = problems[0]
                 retry = (
                     ChatMessage("assistant", frame(raw)),
@@ -240,6 +266,18 @@ class Responder:
                 await self.to_tts.put(Speak(r.scope, r, clause, spoken))
                 self._words_out = True
         return bool(part.text.strip())
+
+
+def answered_calls(messages: Sequence[ChatMessage]) -> list[FunctionCall]:
+    """The calls whose results came back since the user last spoke: made again, they are not sent.
+
+    A call the model makes again with the same arguments while answering
+    its result would be run again by the client, and answered again, until
+    the client's turn limit. The same question in a later turn is a new
+    call.
+    """
+    since = max((n for n, m in enumerate(messages) if m.role == "user"), default=-1)
+    return [m.answers for m in messages[since + 1 :] if m.answers is not None]
 
 
 async def _timed(pieces: AsyncGenerator[str, None], metrics: Metrics) -> AsyncGenerator[str, None]:

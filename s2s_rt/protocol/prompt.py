@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from s2s_rt.engines.base import ChatMessage
+from s2s_rt.engines.base import ChatMessage, FunctionCall
 from s2s_rt.protocol import server_events as se
 from s2s_rt.protocol.conversation import Conversation
 from s2s_rt.toolcalls import frame
@@ -19,6 +19,7 @@ def build_prompt(instructions: str, items: list[se.Item], conversation: Conversa
     generated (``in_progress``) is left out.
     """
     messages = [ChatMessage("system", instructions)] if instructions else []
+    calls: dict[str | None, se.Item] | None = None  # the conversation's function calls by id, once needed
     for item in items:
         if item.status == "in_progress":
             continue
@@ -27,11 +28,24 @@ def build_prompt(instructions: str, items: list[se.Item], conversation: Conversa
             if text:
                 messages.append(ChatMessage(item.role, text))
         elif item.type == "function_call":
-            call = json.dumps({"name": item.name, "arguments": _json_or_text(item.arguments or "{}")})
-            messages.append(ChatMessage("assistant", frame(call)))
+            messages.append(call_message(_call_of(item)))
         elif item.type == "function_call_output":
-            messages.append(ChatMessage("tool", item.output or ""))
+            if calls is None:
+                calls = {i.call_id: i for i in conversation.items.values() if i.type == "function_call"}
+            answered = calls.get(item.call_id)
+            answers = _call_of(answered) if answered is not None else None
+            messages.append(ChatMessage("tool", item.output or "", answers=answers))
     return messages
+
+
+def call_message(call: FunctionCall) -> ChatMessage:
+    """The assistant's function call as a message: the call as the model writes it, and what it is."""
+    text = json.dumps({"name": call.name, "arguments": _json_or_text(call.arguments or "{}")})
+    return ChatMessage("assistant", frame(text), call=call)
+
+
+def _call_of(item: se.Item) -> FunctionCall:
+    return FunctionCall(item.name or "", item.arguments or "{}", item.call_id)
 
 
 def _item_words(item: se.Item, conversation: Conversation) -> list[str | None]:
