@@ -12,6 +12,7 @@ import re
 import shutil
 import threading
 import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from s2s_rt.engines.llm import CT2ChatLLM
 from s2s_rt.engines.tokenizing import TextStream
 from s2s_rt.models import ModelError
 from s2s_rt.protocol.prompt import call_message
+from s2s_rt.spoken_answer import DEFAULT_INSTRUCTIONS, with_answer_context
 from s2s_rt.toolcalls import CallFraming
 
 pytestmark = pytest.mark.slow
@@ -432,3 +434,39 @@ def test_an_answer_whose_words_are_held_back_goes_first_only_for_its_first_token
     assert URGENT_TOKENS < 400
     # The other answer got its words out while the held-back one was still generating.
     assert firsts["other"] < ends["held"] and ends["other"] < ends["held"], (firsts, ends)
+
+
+# --- the date, only when asked ------------------------------------------------------------------
+
+#: A Tuesday afternoon, so that an answer that names the day or the month is telling what it was told.
+TUESDAY = datetime(2026, 12, 1, 14, 57)
+#: The date or the clock time of TUESDAY, as an answer would say them.
+TOLD = re.compile(r"december|tuesday|\b2026\b|2:57|14:57|fifty-seven", re.IGNORECASE)
+
+
+def _served_answer(llm: CT2ChatLLM, question: str) -> str:
+    """The answer a default session gets (its instructions and answer context), greedy."""
+    messages = with_answer_context(
+        [ChatMessage("system", DEFAULT_INSTRUCTIONS), ChatMessage("user", question)], now=TUESDAY
+    )
+    return answer(llm, messages, max_tokens=60)
+
+
+@pytest.mark.parametrize(
+    "question",
+    [
+        "How old was Albert Einstein when he died?",
+        "It's going to rain this weekend.",
+        "What should I cook for dinner tonight?",
+        "Good morning!",
+        "When did the Second World War end?",
+    ],
+)
+def test_an_answer_to_words_not_about_the_date_tells_no_date_or_time(default_llm: CT2ChatLLM, question: str) -> None:
+    said = _served_answer(default_llm, question)
+    assert said and not TOLD.search(said), said
+
+
+def test_a_question_about_the_day_is_answered_with_it(default_llm: CT2ChatLLM) -> None:
+    said = _served_answer(default_llm, "What day of the week is it today?")
+    assert re.search(r"tuesday", said, re.IGNORECASE), said

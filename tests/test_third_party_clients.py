@@ -1,4 +1,4 @@
-"""Third-party Realtime clients, unchanged, against the fake stack.
+"""Third-party Realtime clients, unchanged, against the fake stack (and one round trip on the default stack).
 
 Two widely used client libraries are pointed at the server and driven the way
 their users drive them:
@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any
@@ -305,6 +306,45 @@ def test_agents_tool_call_round_trip() -> None:
 
     needs_agents()
     run(scenario(), timeout=30)
+
+
+def test_agents_tool_round_trip_on_the_default_stack_runs_the_tool_once_and_speaks_its_result() -> None:
+    """The default model, not the fake: the library's own tool machinery, ending in a spoken answer."""
+
+    async def scenario() -> None:
+        from agents import function_tool
+        from agents.realtime import RealtimeAgent
+        from test_tool_round_trips import default_server
+
+        calls: list[str] = []
+
+        @function_tool
+        def get_weather(city: str) -> str:
+            """Get the current weather in a city."""
+            calls.append(city)
+            return "18 degrees and sunny"
+
+        async with default_server() as server:
+            agent = RealtimeAgent(
+                name="weather", instructions="You are a helpful voice assistant. Answer briefly.", tools=[get_weather]
+            )
+            async with agents_session(server, agent) as r:
+                await r.session.send_message("What's the weather like in Paris?")
+                await r.wait_for(lambda e: e.type == "tool_end", timeout=60)
+                await r.wait_for(
+                    lambda e: _raw_type(e) == "response.done" and _first_output(e)["type"] == "message", timeout=60
+                )
+                await r.turn_end(timeout=30)
+                assert calls == ["Paris"]
+                assert len([e for e in r.events if e.type == "tool_end"]) == 1
+                said = r.assistant_transcripts()[-1]
+                assert re.search(r"18|eighteen|sunny", said, re.IGNORECASE), said
+                audio = b"".join(e.audio.data for e in r.events if e.type == "audio")
+                assert len(audio) > RATE  # more than half a second of PCM16
+                r.assert_clean()
+
+    needs_agents()
+    run(scenario(), timeout=150)
 
 
 def test_agents_barge_in_cancels_the_answer() -> None:

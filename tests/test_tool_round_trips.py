@@ -4,19 +4,19 @@ Over a live socket, with the default model answering, the client does what
 every client library does: it runs the call it gets, sends the result as a
 ``function_call_output`` and asks for the answer with ``response.create``.
 The tools are the evaluation's (weather, alarm, currency); answers are
-greedy, so each test hears the same answer every run.
+greedy, so each test hears the same answer every run. openai-agents' round
+trip on the default stack is in ``test_third_party_clients.py``.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
-from conftest import RealtimeClient, http_get, require_module, run
+from conftest import RealtimeClient, http_get, run
 
 from s2s_rt import Config, Server
 from s2s_rt.evaluation.asking import CallResult
@@ -29,6 +29,7 @@ SETTINGS = {"tools": TOOLS, "tool_choice": "auto", "temperature": 0.0, "output_m
 
 @asynccontextmanager
 async def default_server() -> AsyncIterator[Server]:
+    """The default stack on a free port (also for the third-party clients' round trip on it)."""
     async with Server(Config(port=0, stack="default", pool_size=2)) as server:
         yield server
 
@@ -117,74 +118,5 @@ def test_small_talk_and_facts_with_tools_offered_get_no_call() -> None:
                     done = await ask_with_tools(c, words)
                     assert [o["type"] for o in done["response"]["output"]] == ["message"], (words, done)
                     assert answer_text(done), words
-
-    run(scenario(), timeout=120)
-
-
-def test_openai_agents_runs_the_tool_once_and_speaks_its_result_on_the_default_stack() -> None:
-    require_module("agents.realtime", "openai-agents is not installed (make install installs it)")
-
-    async def scenario() -> None:
-        from agents import function_tool
-        from agents.realtime import RealtimeAgent, RealtimeRunner
-
-        calls: list[str] = []
-
-        @function_tool
-        def get_weather(city: str) -> str:
-            """Get the current weather in a city."""
-            calls.append(city)
-            return "18 degrees and sunny"
-
-        async with default_server() as server:
-            agent = RealtimeAgent(
-                name="weather",
-                instructions="You are a helpful voice assistant. Answer briefly.",
-                tools=[get_weather],
-            )
-            runner = RealtimeRunner(agent)
-            session = await runner.run(
-                model_config={
-                    "url": f"ws://127.0.0.1:{server.port}/v1/realtime?model=gpt-realtime",
-                    "api_key": "sk-local",
-                }
-            )
-            async with session:
-                events: list[Any] = []
-                sent = False
-                async for event in session:
-                    events.append(event)
-                    raw = (
-                        event.data.data
-                        if event.type == "raw_model_event" and event.data.type == "raw_server_event"
-                        else {}
-                    )
-                    if raw.get("type") == "session.updated" and not sent:
-                        sent = True
-                        await session.send_message("What's the weather like in Paris?")
-                    if raw.get("type") == "response.done" and any(
-                        o["type"] == "message" for o in raw["response"]["output"]
-                    ):
-                        break
-                    assert event.type != "error", event
-            assert calls == ["Paris"]
-            assert len([e for e in events if e.type == "tool_end"]) == 1
-            audio = b"".join(e.audio.data for e in events if e.type == "audio")
-            assert len(audio) > 24_000  # more than half a second of PCM16 at 24 kHz
-            dones = [
-                e.data.data
-                for e in events
-                if e.type == "raw_model_event"
-                and e.data.type == "raw_server_event"
-                and e.data.data.get("type") == "response.done"
-            ]
-            said = " ".join(
-                part.get("transcript") or part.get("text") or ""
-                for d in dones
-                for o in d["response"]["output"]
-                if o["type"] == "message"
-                for part in o["content"]
-            )
-            assert re.search(r"18|eighteen|sunny", said, re.IGNORECASE), said
 
     run(scenario(), timeout=120)

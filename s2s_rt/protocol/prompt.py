@@ -31,7 +31,9 @@ def build_prompt(instructions: str, items: list[se.Item], conversation: Conversa
             messages.append(call_message(_call_of(item)))
         elif item.type == "function_call_output":
             if calls is None:
-                calls = {i.call_id: i for i in conversation.items.values() if i.type == "function_call"}
+                # A response's own input (``conversation: "none"``) may hold calls the conversation does not.
+                known = [*conversation.items.values(), *items]
+                calls = {i.call_id: i for i in known if i.type == "function_call"}
             answered = calls.get(item.call_id)
             answers = _call_of(answered) if answered is not None else None
             messages.append(ChatMessage("tool", item.output or "", answers=answers))
