@@ -41,6 +41,13 @@ def test_every_fact_asked_for_must_be_there() -> None:
     assert not is_right(colors, "Red, blue and green.")
 
 
+def test_only_a_question_about_time_may_be_answered_with_the_date() -> None:
+    assert not is_right(SPIDER, "A spider has eight legs, today, Thursday June 12, 2025.")
+    assert not is_right(SPIDER, "It is 3:40 PM and a spider has eight legs.")
+    today = next(q for q in QUESTIONS if q.text == "What day of the week is it today?")
+    assert is_right(today, "Today is Thursday, June 12, 2025.")
+
+
 def test_word_error_rate_does_not_count_numbers_written_as_digits() -> None:
     assert spoken_word_error_rate("Set a timer for twenty minutes.", "Set a timer for 20 minutes.") == 0.0
     one_wrong = spoken_word_error_rate("Set a timer for twenty minutes.", "Set a time for 20 minutes.")

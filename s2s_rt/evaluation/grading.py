@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from s2s_rt.evaluation.questions import Question
+from s2s_rt.evaluation.questions import TOLD_NOW, Question
 from s2s_rt.speech_text import speakable
 from s2s_rt.wer import word_error_rate
 
@@ -13,11 +13,14 @@ def is_right(question: Question, answer: str) -> bool:
     """Whether ``answer`` says every fact ``question`` asks for, and nothing it rules out.
 
     Patterns are matched on the answer as written and as it is spoken
-    (numbers in words), so "56" and "fifty-six" are the same answer.
+    (numbers in words), so "56" and "fifty-six" are the same answer. Only a
+    question about time may be answered with the date or the clock time.
     """
     spoken = speakable(answer)
     texts = (answer, spoken)
     if not all(any(re.search(p, t, re.IGNORECASE) for t in texts) for p in question.must):
+        return False
+    if question.kind != "time" and any(re.search(TOLD_NOW, t, re.IGNORECASE) for t in texts):
         return False
     return not any(re.search(p, spoken, re.IGNORECASE) for p in question.must_not)
 

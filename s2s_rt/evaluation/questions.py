@@ -7,8 +7,9 @@ A right answer matches every pattern of ``must`` and none of ``must_not``
 also spelled as words: "8" and "eight" both match ``\\beight\\b``).
 
 The questions of kind ``time`` are answered against :data:`EVALUATION_NOW`,
-the moment the evaluation pretends it is; ``unknowable`` ones ask what no
-model can know, and a right answer says so instead of guessing.
+the moment the evaluation pretends it is, and only they may say it
+(:data:`TOLD_NOW`); ``unknowable`` ones ask what no model can know, and a
+right answer says so instead of guessing.
 """
 
 from __future__ import annotations
@@ -18,6 +19,10 @@ from datetime import datetime
 
 #: The moment the evaluation pretends it is: a Thursday afternoon.
 EVALUATION_NOW = datetime(2025, 6, 12, 15, 40)
+
+#: :data:`EVALUATION_NOW` as an answer would say it: a right answer to a question that is not about time never
+#: does (a model told the date repeats it: "Einstein … died on June 12, 2025, at 3:40 PM").
+TOLD_NOW = r"\bjune\b|\bthursday\b|\b2025\b|\b3:40\b|\bfifteen forty\b|\bthree forty\b"
 
 #: "I cannot know that" in the words small models use.
 NOT_KNOWN = (
