@@ -20,9 +20,10 @@ from conftest import RealtimeClient, http_get, run, silence, tone
 from llama_server import Connection, ConnectionLog, LlamaServer, free_port
 
 from s2s_rt import Config, Server
-from s2s_rt.engines.base import ChatMessage
+from s2s_rt.engines.base import ChatMessage, FunctionCall
 from s2s_rt.engines.remote_llm import chat_messages
 from s2s_rt.models.recipes import source_gguf
+from s2s_rt.protocol.prompt import call_message
 
 WEATHER = {
     "type": "function",
@@ -85,6 +86,25 @@ def test_a_call_and_its_result_become_a_native_tool_call_answered_by_its_id() ->
             ],
         },
         {"role": "tool", "tool_call_id": "call_1", "content": '{"sky": "sunny"}'},
+    ]
+
+
+def test_results_answer_the_calls_they_name_in_whatever_order_they_came() -> None:
+    paris, rome = (FunctionCall("get_weather", json.dumps({"city": c}), f"call_{c}") for c in ("Paris", "Rome"))
+    messages = chat_messages(
+        [
+            ChatMessage("user", "Weather in Paris and Rome?"),
+            call_message(paris),
+            call_message(rome),
+            ChatMessage("tool", "rain", answers=rome),
+            ChatMessage("tool", "sun", answers=paris),
+        ]
+    )
+    [_, turn, *results] = messages
+    assert [c["id"] for c in turn["tool_calls"]] == ["call_Paris", "call_Rome"]
+    assert results == [
+        {"role": "tool", "tool_call_id": "call_Rome", "content": "rain"},
+        {"role": "tool", "tool_call_id": "call_Paris", "content": "sun"},
     ]
 
 

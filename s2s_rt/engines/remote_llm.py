@@ -239,10 +239,12 @@ def chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
     """The conversation in chat completions form, with native tool calls.
 
     The prompt writes a function call the way the in-process model does
-    (an assistant ``<tool_call>{"name": …, "arguments": …}</tool_call>``)
-    and its result as a ``tool`` message. Here a call becomes an entry of
-    the assistant message's ``tool_calls`` with an id, and each result
-    answers the oldest unanswered call by that id, as the API requires.
+    (an assistant ``<tool_call>{"name": …, "arguments": …}</tool_call>``
+    whose ``call`` names it) and its result as a ``tool`` message whose
+    ``answers`` names the call. Here a call becomes an entry of the
+    assistant message's ``tool_calls`` with its call id, and each result
+    answers the call it names, in whatever order the results came (a result
+    that names none answers the oldest unanswered call), as the API requires.
     Consecutive assistant messages (a response's text and its calls) become
     one. A call that never got its result is left out (endpoints refuse an
     unanswered call), and a result with no call to answer (its call was
@@ -250,26 +252,30 @@ def chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
     """
     out: list[dict[str, Any]] = []
     unanswered: list[str] = []
+    answered: set[str] = set()
     turn: dict[str, Any] | None = None  # the last assistant message, while it may grow
-    answered = 0
     count = 0
 
     def close_turn() -> None:
         nonlocal turn
         if turn is not None and "tool_calls" in turn:
-            del turn["tool_calls"][answered:]  # only answered calls may stay
+            turn["tool_calls"] = [c for c in turn["tool_calls"] if c["id"] in answered]  # only answered calls stay
             if not turn["tool_calls"]:
                 del turn["tool_calls"]
                 if not turn["content"]:
                     out.remove(turn)
         turn = None
         unanswered.clear()
+        answered.clear()
 
     for message in messages:
         if message.role == "tool":
-            if unanswered:
-                out.append({"role": "tool", "tool_call_id": unanswered.pop(0), "content": message.content})
-                answered += 1
+            named = message.answers.call_id if message.answers is not None else None
+            call_id = named if named in unanswered else unanswered[0] if unanswered else None
+            if call_id is not None:
+                unanswered.remove(call_id)
+                answered.add(call_id)
+                out.append({"role": "tool", "tool_call_id": call_id, "content": message.content})
             else:
                 close_turn()
                 out.append({"role": "user", "content": f"Function result: {message.content}"})
@@ -283,14 +289,14 @@ def chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
                 continue
             # "" rather than null: some servers (llama-cpp-python) refuse a null content.
             target = turn = {"role": "assistant", "content": ""}
-            answered = 0
             out.append(turn)
         text, calls = _split_calls(message.content)
         if text.strip():
             target["content"] = f"{target['content']} {text.strip()}" if target["content"] else text.strip()
+        own = message.call.call_id if message.call is not None and len(calls) == 1 else None
         for name, arguments in calls:
             count += 1
-            call_id = f"call_{count}"
+            call_id = own or f"call_{count}"
             target.setdefault("tool_calls", []).append(
                 {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
             )
