@@ -1,9 +1,10 @@
 """What the LLM is told besides the conversation, so that its answer suits a voice assistant.
 
 A voice assistant is asked what day it is, and is spoken to in the language
-the speech recogniser heard. The model knows neither: the system message
-gets the date and time when the user's words are about time, and, when the
-user did not speak English, the language to answer in; a default session's
+the speech recogniser heard. The model knows neither: the user's words are
+followed by the date when they ask for it and by the clock time when they
+ask for that, and, when the user did not speak English, the system message
+ends with the language to answer in; a default session's
 instructions get worked examples. The server adds this to every answer
 (:mod:`s2s_rt.pipeline.responding`), and the evaluation
 (:mod:`s2s_rt.evaluation`) asks its questions the same way.
@@ -77,12 +78,11 @@ def asks_time(words: str) -> bool:
 
 def date_context(now: datetime, *, date: bool = True, clock: bool = True) -> str:
     """The sentence that tells the model today's date, the clock time, or both (the server's local time)."""
-    hour = now.hour % 12 or 12
     day = f"Today is {now:%A}, {now:%B} {now.day}, {now.year}"
-    time = f"the time is {hour}:{now:%M} {now:%p}"
+    time = f"{now.hour % 12 or 12}:{now:%M} {now:%p}"
     if date and clock:
-        return f"{day}, and {time}."
-    return f"{day}." if date else f"{time[0].upper()}{time[1:]}."
+        return f"{day}, and the time is {time}."
+    return f"{day}." if date else f"The time is {time}."
 
 
 def language_context(language: str | None) -> str:
@@ -103,9 +103,11 @@ def with_answer_context(
 ) -> list[ChatMessage]:
     """``messages`` with the date after the user's last words and the language at the end of the system message.
 
-    The date and time follow the user's words when the answer is to them
-    (the last message) and they are about time ("What day is it?",
-    "tomorrow", "how long until…"); the language to answer in ends the
+    The date follows the user's words when the answer is to them (the last
+    message) and they ask for it ("What day is it?", "how many days
+    until…"), the clock time when they ask for that ("What time is it?",
+    "in twenty minutes"); words that only mention time ("right now",
+    "tomorrow") get neither, since the model repeats what it is told. The language to answer in ends the
     system message when it is not English. The server's default instructions get
     :data:`ANSWER_EXAMPLES` before the context when no functions are
     offered; a client's own instructions are left as they are. A

@@ -146,10 +146,8 @@ class ChatFormat(abc.ABC):
         if system is not None and self.SYSTEM_ROLE:
             pinned.append(self.turn("system", system))
         said = _conversation_turns(messages)
-        if system is not None and not self.SYSTEM_ROLE:
-            first_user = next((k for k, (role, _) in enumerate(said) if role == "user"), None)
-            if first_user == 0:
-                said[0] = ("user", f"{system}\n\n{said[0][1]}")
+        if system is not None and not self.SYSTEM_ROLE and said and said[0][0] == "user":
+            said[0] = ("user", f"{system}\n\n{said[0][1]}")
         turns = [self.turn(role, content) for role, content in said]
         turns.append(self.opening(OPEN + "\n" if tools and require_tool else ""))
         return ChatPrompt([*pinned, *turns], pinned=len(pinned))
@@ -365,13 +363,14 @@ def result_words(output: str) -> str:
         return output.strip()
 
     def words(value: Any, path: str = "") -> list[str]:
-        if isinstance(value, dict):
-            return [w for key, sub in value.items() for w in words(sub, f"{path} {key}".strip())] or [
-                f"{path.replace('_', ' ')}: none" if path else "nothing"
-            ]
+        if isinstance(value, dict) and value:
+            return [w for key, sub in value.items() for w in words(sub, f"{path} {key}".strip())]
         if isinstance(value, list) and any(isinstance(v, (dict, list)) for v in value):
             return [w for n, sub in enumerate(value, 1) for w in words(sub, f"{path} {n}".strip())]
-        text = ", ".join(_scalar(v) for v in value) if isinstance(value, list) else _scalar(value)
+        if isinstance(value, dict):
+            text = "none" if path else "nothing"
+        else:
+            text = ", ".join(_scalar(v) for v in value) if isinstance(value, list) else _scalar(value)
         return [f"{path.replace('_', ' ')}: {text}" if path else text]
 
     return ", ".join(words(value))

@@ -18,9 +18,8 @@ from typing import Any
 
 from s2s_rt.engines.base import LLM, TTS, ChatMessage, FunctionCall, LLMRequest, LLMUsage
 from s2s_rt.pipeline.clauses import ClauseSplitter
-from s2s_rt.pipeline.responding import answered_calls
 from s2s_rt.protocol.config import DEFAULT_MAX_OUTPUT_TOKENS
-from s2s_rt.protocol.prompt import call_message
+from s2s_rt.protocol.prompt import answered_calls, call_message
 from s2s_rt.spoken_answer import with_answer_context
 from s2s_rt.toolcalls import Call, Text, ToolCallError, ToolCallFilter, parse_call
 
@@ -129,10 +128,6 @@ class Assistant:
         return Answer(
             "".join(pieces).strip(), first_token, first_audio, time.perf_counter() - start, usage.output_tokens
         )
-
-    def call(self, text: str, tools: Sequence[dict[str, Any]]) -> CallResult:
-        """One user turn with ``tools`` on offer (``tool_choice`` auto), parsed as the server parses it."""
-        return self._ask_tools(self.messages(text, tools=bool(tools)), tools)
 
     def round_trip(self, text: str, tools: Sequence[dict[str, Any]], output: str) -> RoundTrip:
         """A call, its result handed back as ``output``, and the answer to it, as a client library runs it.

@@ -8,7 +8,7 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from s2s_rt.engines.base import (
@@ -27,6 +27,7 @@ from s2s_rt.pipeline.clauses import ClauseSplitter
 from s2s_rt.pipeline.context import SessionContext
 from s2s_rt.pipeline.stage import StageContext, serve
 from s2s_rt.pipeline.work import CallOut, ResponseEnd, ResponseRequest, SessionEnd, Speak, run_scoped
+from s2s_rt.protocol.prompt import answered_calls
 from s2s_rt.spoken_answer import with_answer_context
 from s2s_rt.toolcalls import Call as CallPart
 from s2s_rt.toolcalls import Text as TextPart
@@ -266,18 +267,6 @@ class Responder:
                 await self.to_tts.put(Speak(r.scope, r, clause, spoken))
                 self._words_out = True
         return bool(part.text.strip())
-
-
-def answered_calls(messages: Sequence[ChatMessage]) -> list[FunctionCall]:
-    """The calls whose results came back since the user last spoke: made again, they are not sent.
-
-    A call the model makes again with the same arguments while answering
-    its result would be run again by the client, and answered again, until
-    the client's turn limit. The same question in a later turn is a new
-    call.
-    """
-    since = max((n for n, m in enumerate(messages) if m.role == "user"), default=-1)
-    return [m.answers for m in messages[since + 1 :] if m.answers is not None]
 
 
 async def _timed(pieces: AsyncGenerator[str, None], metrics: Metrics) -> AsyncGenerator[str, None]:

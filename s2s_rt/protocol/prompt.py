@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from s2s_rt.engines.base import ChatMessage, FunctionCall
@@ -44,6 +45,18 @@ def call_message(call: FunctionCall) -> ChatMessage:
     """The assistant's function call as a message: the call as the model writes it, and what it is."""
     text = json.dumps({"name": call.name, "arguments": _json_or_text(call.arguments or "{}")})
     return ChatMessage("assistant", frame(text), call=call)
+
+
+def answered_calls(messages: Sequence[ChatMessage]) -> list[FunctionCall]:
+    """The calls whose results came back since the user last spoke: made again, they are not sent.
+
+    A call the model makes again with the same arguments while answering
+    its result would be run again by the client, and answered again, until
+    the client's turn limit. The same question in a later turn is a new
+    call.
+    """
+    since = max((n for n, m in enumerate(messages) if m.role == "user"), default=-1)
+    return [m.answers for m in messages[since + 1 :] if m.answers is not None]
 
 
 def _call_of(item: se.Item) -> FunctionCall:
