@@ -146,6 +146,13 @@ class Metrics:
             lambda: {(("what", k),): v for k, v in listening().items()},
         )
         self.stage_latency = Histogram("s2s_stage_seconds", "Time per engine call, by stage.")
+        self.turn_waterfall = Histogram(
+            "s2s_turn_waterfall_seconds",
+            "From the user's last word to each step of the answer (completed turns that ended by voice activity):"
+            " silence (the turn's end decided), speculated (transcription begun in the silence), transcribed,"
+            " prompt_read (first token), first_clause (its last token), synthesised (its speech ready),"
+            " audio_sent (first audio delta written), done (response.done written).",
+        )
         self.turn_latency = Histogram(
             "s2s_turn_first_audio_seconds", "End of user speech to first response audio sent."
         )

@@ -6,9 +6,11 @@ import json
 import logging
 
 import pytest
-from conftest import RealtimeClient, live_server, run
+from conftest import RealtimeClient, live_server, run, silence, tone
 
+from s2s_rt.config import Config
 from s2s_rt.logs import JsonFormatter
+from s2s_rt.server import Server
 
 
 def _lines(caplog: pytest.LogCaptureFixture) -> list[dict]:
@@ -33,9 +35,47 @@ def test_session_and_turn_lines_with_latency_and_no_content_unless_asked(
     assert events.count("session_start") == 1 and events.count("session_end") == 1
     [turn] = [line for line in lines if line.get("event") == "turn"]
     assert turn["status"] == "completed"
-    assert turn["first_token_ms"] is not None and turn["first_audio_ms"] >= turn["first_token_ms"]
-    assert turn["done_ms"] >= turn["first_audio_ms"]
+    assert turn["from"] == "response.create"
+    steps = [turn[f"{step}_ms"] for step in ("prompt_read", "first_clause", "synthesised", "audio_sent", "done")]
+    assert steps == sorted(steps) and steps[0] >= 0
     [end] = [line for line in lines if line.get("event") == "session_end"]
     assert end["turns"] == 1 and end["reason"] == "client closed" and end["duration_s"] > 0
     everything = json.dumps(lines)
     assert ("secret" in everything) is log_content
+
+
+@pytest.mark.parametrize("ahead", [True, False], ids=["answered-ahead", "answered-after"])
+def test_a_spoken_turn_logs_its_waterfall_from_the_last_word(caplog: pytest.LogCaptureFixture, ahead: bool) -> None:
+    """Each step of a spoken turn, from the last word heard to the answer's first audio sent, in order."""
+    caplog.set_level(logging.INFO, logger="s2s_rt")
+    config = Config(
+        port=0, stack="fake", pool_size=1, speculate_after_ms=100 if ahead else 0, fake_llm_token_delay_ms=20
+    )
+
+    async def scenario() -> str:
+        async with Server(config) as server:
+            async with RealtimeClient.connect(server, transcribe=True) as c:
+                for part in (tone(300, 0.6), silence(1.2)):  # 20 ms appends at real time, as a microphone sends
+                    await c.append_audio(part, pace_s=0.02)
+                await c.until("response.done", timeout=15)
+                return server.metrics.render()
+
+    metrics = run(scenario())
+    [turn] = [line for line in _lines(caplog) if line.get("event") == "turn"]
+    assert turn["from"] == "last_word" and turn["status"] == "completed"
+    assert turn["ahead"] == int(ahead)
+    # server_vad waits 500 ms of silence (real time here), then the turn ends.
+    assert 450 <= turn["silence_ms"] <= 900
+    order = ["transcribed", "prompt_read", "first_clause", "synthesised", "audio_sent", "done"]
+    if ahead:  # transcribed after 100 ms of silence and answered in the rest of it: ready before the turn's end
+        order.insert(0, "speculated")
+        assert 90 <= turn["speculated_ms"] < turn["first_clause_ms"] < turn["silence_ms"]
+    else:
+        assert "speculated_ms" not in turn
+        order.insert(0, "silence")
+    steps = [turn[f"{step}_ms"] for step in order]
+    assert steps == sorted(steps), dict(zip(order, steps, strict=True))
+    assert turn["audio_sent_ms"] >= turn["silence_ms"]  # nothing is heard before the turn has ended
+    assert turn["clause_tokens"] >= 1
+    for step in ("silence", *order):
+        assert f's2s_turn_waterfall_seconds_count{{step="{step}"}} 1' in metrics

@@ -169,10 +169,25 @@ def format_report(report: dict[str, Any]) -> str:
                 f" {srv.get('loop_thread_cpu_us_per_event_in', 0):.0f} µs of its CPU per client event"
             )
         breakdown = report.get("server_turn_log_s")
-        if breakdown:
+        if breakdown and breakdown.get("turns"):
             lines.append(
-                "server turn log (from its speech_stopped decision), p50: "
-                + ", ".join(f"{k} {ms(v['p50'])}" for k, v in breakdown.items())
+                "server waterfall from the last word heard, p50 of each step: "
+                + ", ".join(f"{k} {ms(v['p50'])}" for k, v in breakdown["steps"].items())
+            )
+            median = breakdown["median_turn"]
+            if median:
+                lines.append(
+                    "the median turn's waterfall: "
+                    + ", ".join(f"{k.removesuffix('_ms')} {v} ms" for k, v in median.items() if k.endswith("_ms"))
+                    + f"; {median.get('clause_tokens', '?')} tokens to the first clause,"
+                    f" answered ahead: {'yes' if median.get('ahead') else 'no'}"
+                )
+            read, reused = breakdown["input_tokens"]["p50"], breakdown["cached_tokens"]["p50"]
+            lines.append(
+                f"answered ahead {breakdown['answered_ahead']} of {breakdown['turns']} turns; prompt tokens p50"
+                f" {'?' if read is None else f'{read:.0f}'}, of them reused p50"
+                f" {'?' if reused is None else f'{reused:.0f}'}"
+                f" ({breakdown['turns_with_cached_tokens']} turns reused any)"
             )
         tfa = srv["turn_first_audio"]
         if tfa["count"]:

@@ -20,6 +20,7 @@ from typing import Any
 from s2s_rt.bench.metrics import Labels, parse_metrics
 from s2s_rt.bench.procfs import ProcSample, read_proc
 from s2s_rt.bench.stats import summarize
+from s2s_rt.pipeline.work import WATERFALL_STEPS
 
 
 class ServerHandle:
@@ -100,15 +101,22 @@ class ServerHandle:
         return parse_metrics(await asyncio.to_thread(get))
 
 
-_TURN_LINE = re.compile(r"\bturn slot=\d+ .*\bfrom=end_of_speech\b")
-_MS_FIELD = re.compile(r"\b(transcribed_ms|first_token_ms|first_audio_ms|done_ms)=(\d+)")
+_TURN_LINE = re.compile(r"\bturn slot=\d+ .*\bfrom=last_word\b")
+_FIELD = re.compile(r"\b([a-z_]+)=(-?\d+)\b")
+#: The waterfall's steps as the turn log names them (``s2s_rt.pipeline.work.WATERFALL_STEPS``, then done).
+WATERFALL = (*WATERFALL_STEPS, "done")
+_TURN_COUNTS = ("clause_tokens", "ahead", "input_tokens", "cached_tokens")
 
 
 def turn_log_breakdown(log_path: Path | None, since: int = 0) -> dict[str, Any] | None:
-    """The server's own per-turn log lines (``turn slot=… from=end_of_speech transcribed_ms=…``), summarised.
+    """The server's own per-turn log lines (``turn slot=… from=last_word silence_ms=…``), summarised.
 
-    Times count from the server's speech_stopped decision. Returns None when
-    there is no log (a server this script did not start).
+    Times count from the user's last word as the server heard it: each
+    waterfall step's percentiles (``steps``), the median turn's whole
+    waterfall (the turn whose first audio was sent at the median time:
+    ``median_turn``), the turns answered ahead, and the prompt tokens read
+    and reused. Returns None when there is no log (a server this script did
+    not start).
     """
     if log_path is None:
         return None
@@ -116,12 +124,28 @@ def turn_log_breakdown(log_path: Path | None, since: int = 0) -> dict[str, Any] 
         text = log_path.read_text(errors="replace")[since:]
     except OSError:
         return None
-    fields: dict[str, list[float]] = {}
+    turns = []
     for line in text.splitlines():
         if _TURN_LINE.search(line):
-            for name, value in _MS_FIELD.findall(line):
-                fields.setdefault(name.removesuffix("_ms"), []).append(int(value) / 1000)
-    return {name: summarize(values) for name, values in fields.items()}
+            turns.append({name: int(value) for name, value in _FIELD.findall(line)})
+    steps = {
+        step: summarize([t[f"{step}_ms"] / 1000 for t in turns if f"{step}_ms" in t])
+        for step in WATERFALL
+        if any(f"{step}_ms" in t for t in turns)
+    }
+    sent = sorted((t for t in turns if "audio_sent_ms" in t), key=lambda t: t["audio_sent_ms"])
+    median = sent[(len(sent) - 1) // 2] if sent else None
+    return {
+        "turns": len(turns),
+        "steps": steps,
+        "median_turn": (
+            {k: v for k, v in median.items() if k.endswith("_ms") or k in _TURN_COUNTS} if median else None
+        ),
+        "answered_ahead": sum(t.get("ahead", 0) for t in turns),
+        "input_tokens": summarize([t["input_tokens"] for t in turns if "input_tokens" in t]),
+        "cached_tokens": summarize([t["cached_tokens"] for t in turns if "cached_tokens" in t]),
+        "turns_with_cached_tokens": sum(1 for t in turns if t.get("cached_tokens", 0) > 0),
+    }
 
 
 def server_env(opts: argparse.Namespace) -> dict[str, str]:

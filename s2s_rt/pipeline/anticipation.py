@@ -20,12 +20,16 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from s2s_rt.engines.base import AsyncLLM, Float32Array, LLMRequest, LLMUsage
+from s2s_rt.engines.base import AsyncLLM, LLMRequest, LLMUsage
 from s2s_rt.inference import OneAtATime
 from s2s_rt.scope import Scope
+
+if TYPE_CHECKING:
+    from s2s_rt.pipeline.work import SpokenAhead
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +63,12 @@ class Anticipation:
         self._changed = asyncio.Event()
         #: The first clause, and its speech as the TTS engine made it (synthesised ahead).
         self.first_clause: str | None = None
-        self.first_audio: asyncio.Task[list[Float32Array] | None] | None = None
+        self.first_audio: asyncio.Task[SpokenAhead | None] | None = None
+        #: ``perf_counter()`` times of its first piece and of its first clause's end, and the tokens to that end
+        #: (the turn's waterfall, :class:`~s2s_rt.pipeline.work.TurnTiming`).
+        self.first_token: float | None = None
+        self.first_clause_at: float | None = None
+        self.clause_tokens: int | None = None
 
     def answers(self, request: LLMRequest, speed: float, voice: str) -> bool:
         """Whether a response asking ``request``, spoken at ``speed`` in ``voice``, would make this same answer."""
@@ -72,6 +81,8 @@ class Anticipation:
 
     def add(self, piece: str) -> None:
         """A piece of the answer came."""
+        if self.first_token is None:
+            self.first_token = time.perf_counter()
         self.pieces.append(piece)
         self._changed.set()
 
@@ -104,7 +115,7 @@ class Anticipation:
             if i == len(self.pieces) and not self.done:
                 await self._changed.wait()
 
-    def first_speech(self, clause: str) -> asyncio.Task[list[Float32Array] | None] | None:
+    def first_speech(self, clause: str) -> asyncio.Task[SpokenAhead | None] | None:
         """The speech synthesised ahead for ``clause``, if it is the first clause (given once)."""
         audio, self.first_audio = self.first_audio, None
         if audio is not None and clause != self.first_clause:

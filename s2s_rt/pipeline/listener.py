@@ -211,7 +211,10 @@ class Listener:
             turns.position += chunk
             if detector.finished is None:
                 detector.finished = speculator.finished
-            turn = detector.feed(float(prob), samples_to_ms(start), samples_to_ms(turns.position))
+            end_ms = samples_to_ms(turns.position)
+            turn = detector.feed(float(prob), samples_to_ms(start), end_ms)
+            if detector.speaking and detector.last_voice_ms == end_ms:
+                turns.voice_heard = time.perf_counter()  # the waterfall's origin, if this is the last word
             if isinstance(turn, SpeechStart):
                 self._speech_started(ctx, turn)
             elif isinstance(turn, SpeechStop):
@@ -285,7 +288,6 @@ class Listener:
         assert turns.detector is not None
         item_id = turns.turn_item_id or new_id("item")
         turns.turn_item_id = None
-        speech_end = time.perf_counter()
         start = ms_to_samples(turns.detector.start_ms)
         audio = turns.buffer.take(start, ms_to_samples(turn.audio_end_ms))
         turns.idle_from = turns.position
@@ -293,14 +295,15 @@ class Listener:
         events = [session.speech_stopped(int(turn.audio_end_ms), item_id)]
         events += session.commit_audio(item_id)
         self._emit(ctx, events)
-        transcript, anticipation = ctx.speculator.take()
+        transcript, anticipation, timing = ctx.speculator.take()
+        timing.last_voice, timing.speech_end = turns.voice_heard, time.perf_counter()
         self._to_stt(
             Transcribe(
                 session.scope,
                 item_id,
                 audio,
                 td.create_response and not session.transcription_only,
-                speech_end,
+                timing,
                 transcript,
                 anticipation,
             )
@@ -352,4 +355,4 @@ class Listener:
         if turns.detector is not None:
             turns.detector.reset()
         self._emit(ctx, session.commit_audio(item_id))
-        self._to_stt(Transcribe(session.scope, item_id, audio, False, time.perf_counter()))
+        self._to_stt(Transcribe(session.scope, item_id, audio, False, None))

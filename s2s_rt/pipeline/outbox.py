@@ -9,6 +9,7 @@ the slot when the session's ``SessionEnd`` reaches it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -65,15 +66,22 @@ class Outbox:
         self.sending_since: float | None = None
 
     def _outgoing(self, event: ServerEvent, scope: Scope) -> Outgoing:
+        sent: Callable[[], None] | None = None
         if event.type == "response.done":
-            self._turn_done(event)
+            timing = self.timings.pop(event.response.id, None)  # type: ignore[attr-defined]
+            if timing is not None:
+                sent = functools.partial(self._turn_done, event, timing)
             self.on_response_done()
         elif not event.type.endswith(".delta"):
             # What opens or closes an item, part or response goes out with its
             # session: a client never sees a close without its open. Only the
             # deltas of a response that is cancelled or fails meanwhile are dropped.
             scope = scope.outermost
-        return Outgoing(scope, event.type, encode_event(event))
+        elif event.type == "response.output_audio.delta":
+            timing = self.timings.get(event.response_id)  # type: ignore[attr-defined]
+            if timing is not None and timing.audio_sent is None:
+                sent = functools.partial(_audio_sent, timing)
+        return Outgoing(scope, event.type, encode_event(event), sent)
 
     async def emit(self, events: list[ServerEvent], scope: Scope) -> None:
         """Queue events, in order: deltas for as long as ``scope`` is wanted, the rest for the session.
@@ -126,29 +134,36 @@ class Outbox:
         self.budget.reset()
         return dropped
 
-    def _turn_done(self, event: ServerEvent) -> None:
-        """One log line per finished turn, with its latency breakdown."""
-        response = event.response  # type: ignore[attr-defined]
-        timing = self.timings.pop(response.id, None)
-        if timing is None or self.session is None:
+    def _turn_done(self, event: ServerEvent, timing: TurnTiming) -> None:
+        """A response's ``response.done`` was sent: one log line for its turn, with its waterfall."""
+        if self.session is None:
             return
-        now = time.perf_counter()
-        origin = timing.speech_end if timing.speech_end is not None else timing.created
-
-        def ms(t: float | None) -> int | None:
-            return None if t is None else round((t - origin) * 1000)
-
+        response = event.response  # type: ignore[attr-defined]
+        waterfall = timing.waterfall()
+        waterfall["done"] = time.perf_counter() - timing.origin
+        if timing.speech_end is not None and response.status == "completed":
+            for step, seconds in waterfall.items():
+                self.metrics.turn_waterfall.observe(seconds, step=step)
         fields: dict[str, Any] = {
             "slot": self.index,
             "session": self.session.id,
             "response": response.id,
             "status": response.status,
-            "from": "end_of_speech" if timing.speech_end is not None else "response.create",
-            "transcribed_ms": ms(timing.transcribed),
-            "first_token_ms": ms(timing.first_token),
-            "first_audio_ms": ms(timing.first_audio),
-            "done_ms": ms(now),
+            "from": (
+                "last_word"
+                if timing.last_voice is not None
+                else "end_of_speech"
+                if timing.speech_end is not None
+                else "response.create"
+            ),
+            **{f"{step}_ms": round(1000 * seconds) for step, seconds in waterfall.items()},
+            "clause_tokens": timing.clause_tokens,
+            "ahead": int(timing.ahead),
         }
+        usage = response.usage
+        if usage is not None:
+            fields["input_tokens"] = usage.input_tokens
+            fields["cached_tokens"] = usage.input_token_details.get("cached_tokens")
         if self.log_content:
             fields["user"] = timing.user_text
             output = response.output[-1].content if response.output else None
@@ -187,11 +202,18 @@ class Outbox:
         finally:
             self.sending_since = None
         self.metrics.events_out.inc(type=item.type)
+        if item.sent is not None:
+            item.sent()
 
     def stuck_for(self) -> float:
         """Seconds the current send has waited for the client to read (0 when none waits)."""
         since = self.sending_since
         return 0.0 if since is None else time.monotonic() - since
+
+
+def _audio_sent(timing: TurnTiming) -> None:
+    if timing.audio_sent is None:
+        timing.audio_sent = time.perf_counter()
 
 
 async def close_quickly(ws: ServerConnection, code: int, reason: str) -> None:

@@ -26,7 +26,7 @@ from s2s_rt.pipeline.anticipation import Anticipation
 from s2s_rt.pipeline.clauses import ClauseSplitter
 from s2s_rt.pipeline.context import SessionContext
 from s2s_rt.pipeline.stage import StageContext, serve
-from s2s_rt.pipeline.work import CallOut, ResponseEnd, ResponseRequest, SessionEnd, Speak, run_scoped
+from s2s_rt.pipeline.work import CallOut, ResponseEnd, ResponseRequest, SessionEnd, Speak, TurnTiming, run_scoped
 from s2s_rt.protocol.prompt import answered_calls
 from s2s_rt.spoken_answer import with_answer_context
 from s2s_rt.toolcalls import Call as CallPart
@@ -132,17 +132,21 @@ class Responder:
                     if isinstance(llm, TakesTurns):
                         answer = functools.partial(answer, urgent=lambda: not self._words_out)
                     pieces = contextlib.nullcontext(stage.pools["llm"].stream(answer, gate=ctx.llm_gate))
+                timing = stage.outbox.timings.get(r.id)
+                if ahead is not None and attempt == 0:
+                    if timing is not None:
+                        timing.took_ahead(ahead)
+                    timing = None  # its steps were taken ahead, before the pieces are read again here
                 async with pieces as stream:
                     async for piece in stream:
                         if scope.stale:
                             return
-                        timing = stage.outbox.timings.get(r.id)
-                        if timing is not None and timing.first_token is None:
-                            timing.first_token = time.perf_counter()
+                        if timing is not None and timing.prompt_read is None:
+                            timing.prompt_read = time.perf_counter()
                         for part in splitter.feed(piece):
-                            spoke |= await self._say(r, part, clauses, calls, ahead)
+                            spoke |= await self._say(r, part, clauses, calls, ahead, timing, usage)
                 for part in splitter.flush():
-                    spoke |= await self._say(r, part, clauses, calls, ahead)
+                    spoke |= await self._say(r, part, clauses, calls, ahead, timing, usage)
             except Exception as exc:
                 log.warning("slot %d: LLM failed: %r", stage.index, exc)
                 if not scope.stale:
@@ -202,6 +206,9 @@ class Responder:
             break
         rest = clauses.flush()
         if rest and r.audio:
+            timing = stage.outbox.timings.get(r.id)
+            if timing is not None and timing.first_clause is None:  # the whole answer is one short clause
+                timing.first_clause, timing.clause_tokens = time.perf_counter(), usage.output_tokens
             await self.to_tts.put(Speak(scope, r, rest))
         await self.to_tts.put(ResponseEnd(scope, r, usage))
 
@@ -250,8 +257,13 @@ class Responder:
         clauses: ClauseSplitter,
         calls: list[str],
         ahead: Anticipation | None = None,
+        timing: TurnTiming | None = None,
+        usage: LLMUsage | None = None,
     ) -> bool:
-        """Route one piece of model output; returns whether it was speakable text."""
+        """Route one piece of model output; returns whether it was speakable text.
+
+        ``timing`` (None when the answer's steps were taken ahead) gets the end of the first clause.
+        """
         if isinstance(part, CallPart):
             calls.append(part.raw)
             return False
@@ -263,6 +275,9 @@ class Responder:
             self._words_out = True
         else:
             for clause in clauses.feed(part.text):
+                if timing is not None and timing.first_clause is None:
+                    timing.first_clause = time.perf_counter()
+                    timing.clause_tokens = usage.output_tokens if usage is not None else None
                 spoken = ahead.first_speech(clause) if ahead is not None else None
                 await self.to_tts.put(Speak(r.scope, r, clause, spoken))
                 self._words_out = True

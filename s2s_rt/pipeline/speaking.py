@@ -14,7 +14,7 @@ from s2s_rt.audio import Resampler
 from s2s_rt.engines.base import Float32Array
 from s2s_rt.inference import EngineTimeout
 from s2s_rt.pipeline.stage import serve
-from s2s_rt.pipeline.work import CallOut, ResponseEnd, SessionEnd, Speak, run_scoped
+from s2s_rt.pipeline.work import CallOut, ResponseEnd, SessionEnd, Speak, SpokenAhead, run_scoped
 
 if TYPE_CHECKING:
     from s2s_rt.pipeline.context import SessionContext
@@ -101,9 +101,11 @@ class Speaker:
         fmt = r.params.output_format
         pieces: list[Float32Array] = []
         ahead = await _spoken_ahead(job)
+        synthesised: float | None = None
         try:
             if ahead is not None:
-                pieces = [resampler.process(audio) for audio in ahead]
+                pieces = [resampler.process(audio) for audio in ahead.audio]
+                synthesised = ahead.ready
             else:
 
                 def speech() -> Iterator[Float32Array]:
@@ -140,12 +142,13 @@ class Speaker:
         timing = stage.outbox.timings.get(r.id)
         if timing is not None and timing.first_audio is None:
             timing.first_audio = time.perf_counter()
+            timing.synthesised = synthesised or timing.first_audio
             if timing.speech_end is not None:
                 stage.metrics.turn_latency.observe(timing.first_audio - timing.speech_end)
         await stage.outbox.emit(r.audio_segment(chunks, job.text, ms), scope)
 
 
-async def _spoken_ahead(job: Speak) -> list[Float32Array] | None:
+async def _spoken_ahead(job: Speak) -> SpokenAhead | None:
     """The clause's speech if it was synthesised ahead of the turn's end (None: synthesise it now)."""
     task = job.ahead
     if task is None:

@@ -23,6 +23,7 @@ import enum
 import functools
 import logging
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -33,7 +34,7 @@ from s2s_rt.listening.buffer import join
 from s2s_rt.pipeline.anticipation import Anticipation, can_anticipate
 from s2s_rt.pipeline.clauses import ClauseSplitter
 from s2s_rt.pipeline.turns import TurnState
-from s2s_rt.pipeline.work import ms_to_samples, samples_to_ms
+from s2s_rt.pipeline.work import SpokenAhead, TurnTiming, ms_to_samples, samples_to_ms
 from s2s_rt.scope import Scope
 from s2s_rt.spoken_answer import with_answer_context
 from s2s_rt.toolcalls import offered_tools
@@ -98,6 +99,8 @@ class Guess:
     task: asyncio.Task[Transcript | BaseException]
     #: Set by the worker thread when the engine call really starts.
     started: threading.Event
+    #: The turn's waterfall, from this transcription's start (the turn takes it when it ends).
+    timing: TurnTiming
     #: ``semantic_vad``: the probability that the words transcribed end the turn, once judged.
     finished: float | None = None
     phase: Phase = field(default=Phase.IDLE)
@@ -147,15 +150,16 @@ class Speculator:
         """``semantic_vad``: the judged probability that the turn is over (None: not judged)."""
         return self.guess.finished if self.guess is not None else None
 
-    def take(self) -> tuple[asyncio.Task[Transcript | BaseException] | None, Anticipation | None]:
-        """The turn ended: its transcription begun ahead, and the answer begun ahead (each None if none)."""
+    def take(self) -> tuple[asyncio.Task[Transcript | BaseException] | None, Anticipation | None, TurnTiming]:
+        """The turn ended: its transcription begun ahead, the answer begun ahead (each None if none), and its
+        waterfall so far."""
         guess, self.guess = self.guess, None
         anticipation, self.anticipation = self.anticipation, None
         if guess is None:
-            return None, anticipation
+            return None, anticipation, TurnTiming()
         guess.step(Event.USE)
         self.stage.metrics.speculations.inc(outcome="used")
-        return guess.task, anticipation
+        return guess.task, anticipation, guess.timing
 
     def drop(self) -> None:
         """Speech came back (or the turn was cleared): the guess is stale; stop it if it has not begun."""
@@ -209,9 +213,10 @@ class Speculator:
             self._anticipate(words, guess, conversation)
             return words
 
-        begun = self._transcribe_ahead(then, "speculation")
+        timing = TurnTiming()
+        begun = self._transcribe_ahead(then, "speculation", timing)
         if begun is not None:
-            guess = self.guess = Guess(*begun)
+            guess = self.guess = Guess(*begun, timing)
             guess.step(Event.START)
 
     def _caption(self) -> None:
@@ -238,9 +243,11 @@ class Speculator:
         self._transcribe_ahead(caption, "caption")
 
     def _transcribe_ahead(
-        self, then: Callable[[Transcript], Awaitable[Transcript]], what: str
+        self, then: Callable[[Transcript], Awaitable[Transcript]], what: str, timing: TurnTiming | None = None
     ) -> tuple[asyncio.Task[Transcript | BaseException], threading.Event] | None:
         """Transcribe the turn so far in the STT pool, then ``then`` on the loop; one such call at a time.
+
+        ``timing`` gets the engine call's start (``speculated``) and its end (``transcribed``).
 
         The task is the session's (its scope's :meth:`~s2s_rt.scope.Scope.spawn`):
         cancelled with it, and never started once it is closing (None). It
@@ -262,10 +269,15 @@ class Speculator:
 
         def transcribe() -> Transcript:
             started.set()
+            if timing is not None:
+                timing.speculated = time.perf_counter()
             try:
-                return stt.transcribe(
+                words = stt.transcribe(
                     join(chunks, start, end), language=tr.language if tr else None, prompt=tr.prompt if tr else None
                 )
+                if timing is not None:
+                    timing.transcribed = time.perf_counter()
+                return words
             finally:
                 loop.call_soon_threadsafe(done_running)
 
@@ -391,6 +403,8 @@ async def _answer_ahead(
             if splitter is not None and ahead.first_audio is None:
                 clauses = splitter.feed(piece)
                 if clauses:
+                    ahead.first_clause_at = time.perf_counter()
+                    ahead.clause_tokens = ahead.usage.output_tokens
                     ahead.first_clause = clauses[0]
                     ahead.first_audio = stage.spawn(
                         ahead.scope, _speak_first_clause(stage, ahead, clauses[0], voice), "ahead-tts"
@@ -403,7 +417,7 @@ async def _answer_ahead(
 
 async def _speak_first_clause(
     stage: StageContext, ahead: Anticipation, text: str, voice: str | None
-) -> list[Float32Array] | None:
+) -> SpokenAhead | None:
     """The first clause's speech; None if synthesis failed (the TTS stage then tries again, and reports)."""
     pieces: list[Float32Array] = []
     try:
@@ -416,4 +430,4 @@ async def _speak_first_clause(
     except Exception as exc:
         log.warning("slot %d: speaking the first clause ahead failed: %r", stage.index, exc)
         return None
-    return pieces
+    return SpokenAhead(pieces, time.perf_counter())

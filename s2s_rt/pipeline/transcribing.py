@@ -94,9 +94,11 @@ class Transcriber:
             events = session.start_response(None)
             r = session.response
             assert r is not None
-            stage.outbox.timings[r.id] = TurnTiming(
-                speech_end=job.speech_end, transcribed=time.perf_counter(), user_text=text
-            )
+            timing = job.timing or TurnTiming()
+            if job.speculation is None or timing.transcribed is None:
+                timing.transcribed = time.perf_counter()
+            timing.user_text = text
+            stage.outbox.timings[r.id] = timing
             await stage.outbox.emit(events, session.scope)
             await self.to_llm.put(ResponseRequest(r.scope, r, ahead))
         elif ahead is not None:

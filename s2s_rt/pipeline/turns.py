@@ -31,3 +31,5 @@ class TurnState:
         self.buffer_full = False
         #: The ``event_id`` of the last append heard.
         self.heard_event_id: str | None = None
+        #: ``perf_counter()`` when the last voiced audio was heard (a turn's waterfall counts from it).
+        self.voice_heard: float | None = None

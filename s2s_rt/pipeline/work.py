@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -75,11 +75,21 @@ class Transcribe:
     item_id: str
     audio: Float32Array
     respond: bool
-    speech_end: float | None
+    #: The turn's waterfall so far (None: committed by hand, or an idle timeout: nobody is waiting on it).
+    timing: TurnTiming | None
     #: A transcription of this turn started during its closing silence, if any.
     speculation: asyncio.Task[Transcript | BaseException] | None = None
     #: The answer to it begun in that silence, if any.
     anticipation: Anticipation | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SpokenAhead:
+    """A clause's speech, synthesised ahead of its turn's end."""
+
+    audio: list[Float32Array]
+    #: ``perf_counter()`` when it was ready.
+    ready: float
 
 
 @dataclass(slots=True)
@@ -87,8 +97,8 @@ class Speak:
     scope: Scope
     response: Response
     text: str
-    #: Its speech, synthesised ahead of the turn's end (as the TTS engine made it).
-    ahead: asyncio.Task[list[Float32Array] | None] | None = None
+    #: Its speech, synthesised ahead of the turn's end (as the TTS engine made it), and when it was ready.
+    ahead: asyncio.Task[SpokenAhead | None] | None = None
 
 
 @dataclass(slots=True)
@@ -124,18 +134,72 @@ class Outgoing:
     scope: Scope
     type: str
     data: bytes
+    #: Called once it has been written to the client (a turn's waterfall step).
+    sent: Callable[[], None] | None = None
+
+
+#: The steps of a turn's waterfall, in order: what happened between the user's last word and their answer's
+#: first audio on the wire (:meth:`TurnTiming.waterfall`).
+WATERFALL_STEPS = (
+    "silence",  # the turn's end was decided (speech_stopped): the silence waited
+    "speculated",  # the words so far began to be transcribed, in that silence
+    "transcribed",  # the transcript was ready
+    "prompt_read",  # the model's first token: its prompt was read
+    "first_clause",  # the first clause's last token: the first words to speak are complete
+    "synthesised",  # the first clause's speech was ready
+    "audio_sent",  # the first audio delta was written to the client
+)
 
 
 @dataclass(slots=True)
 class TurnTiming:
-    """``perf_counter()`` times of one response's turn."""
+    """``perf_counter()`` times of one response's turn, from the user's last word to its first audio sent.
 
+    The listener makes it when a turn ends (or the dispatcher, for a
+    ``response.create``); the stages fill in their steps as they reach them,
+    the answer begun in the closing silence included (its steps then come
+    before the turn's end); the outbox logs it when the response is done.
+    """
+
+    #: When the last voiced audio of the turn was heard (None: the turn did not end by voice activity).
+    last_voice: float | None = None
     speech_end: float | None = None
+    speculated: float | None = None
     transcribed: float | None = None
     created: float = field(default_factory=time.perf_counter)
-    first_token: float | None = None
+    prompt_read: float | None = None
+    first_clause: float | None = None
+    #: Tokens the model wrote up to the end of the first clause.
+    clause_tokens: int | None = None
+    synthesised: float | None = None
+    #: The first audio delta was queued for the client, and written to it.
     first_audio: float | None = None
+    audio_sent: float | None = None
+    #: The answer was begun in the turn's closing silence, and adopted.
+    ahead: bool = False
     user_text: str | None = None
+
+    @property
+    def origin(self) -> float:
+        """What the waterfall counts from: the last word, else the turn's end, else the response's creation."""
+        for t in (self.last_voice, self.speech_end):
+            if t is not None:
+                return t
+        return self.created
+
+    def waterfall(self) -> dict[str, float]:
+        """Seconds from :attr:`origin` to each step reached (:data:`WATERFALL_STEPS`)."""
+        origin = self.origin
+        marks = {"silence": self.speech_end if self.last_voice is not None else None}
+        marks |= {step: getattr(self, step) for step in WATERFALL_STEPS[1:]}
+        return {step: t - origin for step, t in marks.items() if t is not None}
+
+    def took_ahead(self, ahead: Anticipation) -> None:
+        """The response adopted ``ahead``: its model's steps are the turn's."""
+        self.ahead = True
+        self.prompt_read = ahead.first_token
+        self.first_clause = ahead.first_clause_at
+        self.clause_tokens = ahead.clause_tokens
 
 
 async def run_scoped(scope: Scope, coro: Coroutine[Any, Any, None]) -> None:
