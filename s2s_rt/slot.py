@@ -187,12 +187,14 @@ class Slot:
             speculate_after_ms,
             semantic,
         )
-        self.dispatch = Dispatcher(self.stage, serving, self.listener, self.input_budget, clock.max_backlog_s)
         responder = Responder(self.stage, serving, self.llm_q, self.tts_q)
+        self.dispatch = Dispatcher(
+            self.stage, serving, self.listener, self.input_budget, clock.max_backlog_s, responder.read_ahead
+        )
         self._stages: tuple[Transcriber, Responder, Speaker] = (
             Transcriber(self.stage, serving, self.stt_q, self.llm_q),
             responder,
-            Speaker(self.stage, serving, self.tts_q, self.listener.answered, responder.prime_after),
+            Speaker(self.stage, serving, self.tts_q, self.listener.answered, responder.read_ahead),
         )
         #: Owns the slot's own short tasks (closing a failed session's socket); never closed.
         self.scope = Scope(f"slot {index}")
@@ -241,6 +243,7 @@ class Slot:
         self.sessions_served += 1
         self._drained.clear()
         await self.outbox.emit(session.created_events(), session.scope)
+        self.dispatch.read_ahead(self.ctx)  # the instructions its first answer will begin with
 
     async def receive(self, message: str | bytes) -> None:
         """One frame from the client (see :class:`~s2s_rt.pipeline.dispatch.Dispatcher`)."""

@@ -49,8 +49,29 @@ def test_logits_that_match_within_float_rounding_are_trusted_after_three_splits(
 def test_one_split_that_differs_beyond_rounding_turns_the_kept_state_off(difference: float) -> None:
     splits, next_logits = reader({20: difference})  # the middle split only (as AVX2's int8 kernels do, now and then)
     check = check_kept_state(next_logits, PROBE)
-    assert not check.trusted and splits == [10, 20] and check.splits == (10, 20)  # it stops at the first
-    assert "kept model state off" in check.describe()
+    # Each piece size stops at its first split that differs; 24 tokens on either side do not fit 40.
+    assert not check.trusted and splits == [8, 20, 16, 20] and check.splits == (8, 20, 16, 20)
+    assert check.min_tokens == 0 and "kept model state off" in check.describe()
+
+
+def test_where_short_pieces_are_read_otherwise_the_shortest_exact_size_is_trusted() -> None:
+    """As oneDNN's int8 kernels at AVX-512 VNNI read them: pieces under 24 tokens differ, longer ones match."""
+    probe = list(range(100, 172))
+    whole = np.linspace(-20.0, 30.0, 50)
+    splits: list[int] = []
+
+    def next_logits(kept: Sequence[int], rest: Sequence[int]) -> np.ndarray:
+        if kept:
+            splits.append(len(kept))
+        logits = whole.copy()
+        if kept and min(len(kept), len(rest)) < 24:
+            logits[3] += 0.8
+        return logits
+
+    check = check_kept_state(next_logits, probe)
+    assert check.trusted and check.min_tokens == 24
+    assert splits == [8, 16, 24, 36, 48]  # each size stops at its first split that differs
+    assert "pieces of 24 tokens or more" in check.describe()
 
 
 def _verdict(env: dict[str, str]) -> dict[str, Any]:
@@ -65,6 +86,7 @@ llm = CT2ChatLLM(ensure_prepared(llm="tiny", progress=lambda _l: None).llm,
                  cached_system_prompts=_default_instructions(), prefix_cache_tokens=1000)
 check = llm.kept_state
 print(json.dumps({"trusted": check.trusted, "difference": check.max_difference, "static": len(llm._static.prefixes),
+                  "min_tokens": check.min_tokens,
                   "budget": llm.prefixes.budget_tokens, "describe": llm.describe()}))
 """
     done = subprocess.run(
@@ -91,6 +113,12 @@ def test_the_check_turns_the_kept_state_off_on_avx2_int8_kernels_and_only_there(
     assert not amd["trusted"] and amd["static"] == 0 and amd["budget"] == 0
     assert float(amd["difference"]) > 0.1
     assert "kept model state off" in amd["log"] and "kept model state off" in str(amd["describe"])
+
+    if "avx512_vnni" in open("/proc/cpuinfo").read():
+        # oneDNN at this CPU's own ISA (CTranslate2's choice on AMD CPUs; on an AVX-512 VNNI EPYC, and on a Xeon
+        # told CT2_USE_MKL=0): short pieces are read otherwise, pieces of 24 tokens exactly.
+        onednn = _verdict({"CT2_USE_MKL": "0"})
+        assert onednn["trusted"] and onednn["min_tokens"] > 8 and onednn["budget"] == 1000
 
     forced = _verdict({"CT2_FORCE_CPU_ISA": "AVX2"})
     assert forced["trusted"] == here["trusted"] and forced["static"] == here["static"]

@@ -9,21 +9,32 @@ import numpy as np
 
 from s2s_rt.engines.base import ChatMessage
 
-#: A kept model state is used only when it, and what is read after it, are at least this many tokens.
-#: CTranslate2's int8 matrix products on the CPU compute a block of one to three rows differently from a
-#: taller one: on an AVX-512 VNNI Xeon a kept prefix of 2-3 tokens, or 1-2 tokens read after one, moved
-#: the next token's logits by 0.7-3, where longer pieces matched a whole reading exactly.
-MIN_KEPT_TOKENS = 8
+#: A kept model state is used only when it, and what is read after it, are at least this many tokens: the
+#: smallest of these sizes at which the start-up check finds every reading exact. CTranslate2's int8 matrix
+#: products on the CPU may compute a short block of rows differently from a taller one. Measured on the
+#: default model with a 72-token probe: on an AVX-512 VNNI Xeon with Intel MKL, every split matched (even 4
+#: tokens); with oneDNN at the same ISA (CTranslate2's choice on AMD CPUs: ``CT2_USE_MKL=0`` on the Xeon, and
+#: as seen on an AMD EPYC), pieces of 12 tokens or fewer moved the next token's logits by 0.8-1.1, and a
+#: 16-token rest as much, while pieces of 24 and more matched exactly; with oneDNN limited to AVX2, no split
+#: matched (0.8-1.0 at random sizes).
+KEPT_PIECE_SIZES = (8, 16, 24, 32)
+MIN_KEPT_TOKENS = KEPT_PIECE_SIZES[0]
 #: How far a kept state's next-token logits may be from a whole reading's, as a fraction of the largest
 #: logit: float rounding only. Measured on the CPU: 2e-7 of it (int8 with VNNI, or float32); int8 on AVX2
 #: without VNNI, 3-10 %. On a GPU, 16-bit rounding may exceed it; the cache is then off, which costs
 #: little there, where reading a prompt is fast.
 KEPT_STATE_TOLERANCE = 1e-3
-#: The start-up check's prompt: about 40 tokens, long enough for three splits with
-#: :data:`MIN_KEPT_TOKENS` on either side, short enough to cost about 0.2 s on two cores.
+#: The start-up check's prompt: about 70 tokens, long enough for splits with the largest of
+#: :data:`KEPT_PIECE_SIZES` on either side, short enough to cost about 0.1 s a reading on two cores.
 PROBE = (
-    ChatMessage("system", "You are a helpful voice assistant. Answer in one short, friendly sentence."),
-    ChatMessage("user", "How many legs does a spider have, and why?"),
+    ChatMessage(
+        "system",
+        "You are a helpful voice assistant. Answer in one short, friendly sentence, and never use lists, markdown"
+        " or emoji: everything you say is read aloud by a speech synthesiser.",
+    ),
+    ChatMessage(
+        "user", "How many legs does a spider have, and why do spiders have more legs than insects, which have six?"
+    ),
 )
 
 
@@ -40,19 +51,24 @@ class KeptStateCheck:
     answers differ: the cache would change what a user hears.
     """
 
-    #: Every probe matched within float rounding: the kept state may be used.
+    #: Every probe of some piece size matched within float rounding: the kept state may be used.
     trusted: bool
-    #: The largest difference of a next-token logit between the two readings.
+    #: The largest difference of a next-token logit between the two readings (of the size trusted, if any).
     max_difference: float
     #: The largest difference allowed (float rounding).
     tolerance: float
-    #: Tokens of the probe kept before the rest was read, one probe each.
+    #: Tokens of the probe kept before the rest was read, one probe each, of every size tried.
     splits: tuple[int, ...]
+    #: The fewest tokens a kept state, and what is read after it, may have (0: none is used).
+    min_tokens: int = 0
 
     def describe(self) -> str:
         """One line for the start-up log."""
         if self.trusted:
-            return f"kept model state checked (next-token logits {self.max_difference:.1g} from a whole reading's)"
+            return (
+                f"kept model state checked (next-token logits {self.max_difference:.1g} from a whole reading's,"
+                f" in pieces of {self.min_tokens} tokens or more)"
+            )
         return (
             f"kept model state off: a prompt read after a kept state got next-token logits "
             f"{self.max_difference:.2f} away from reading it whole (float rounding: at most {self.tolerance:.2g}; "
@@ -66,6 +82,11 @@ def check_kept_state(
 ) -> KeptStateCheck:
     """Compare a probe prompt read after kept states of its first tokens with the probe read whole.
 
+    Each piece size of :data:`KEPT_PIECE_SIZES` that fits the probe is
+    tried in turn, smallest first: the probe is split so that the kept
+    part, then the rest, has exactly that many tokens, and in the middle.
+    The first size whose three splits all match is the one trusted.
+
     Args:
         next_logits: the logits of the token that follows ``kept + rest``,
             reading ``kept`` first as a kept state (nothing kept when empty),
@@ -73,18 +94,25 @@ def check_kept_state(
         probe: a prompt's token ids; at least ``2 * MIN_KEPT_TOKENS + 1``.
 
     Returns:
-        the verdict, after up to three splits (it stops at the first that
-        differs beyond float rounding).
+        the verdict (each size stops at its first split that differs beyond float rounding).
     """
     whole = np.asarray(next_logits([], probe), dtype=np.float64)
     n = len(probe)
-    splits = tuple(sorted({min(max(MIN_KEPT_TOKENS, n * i // 4), n - MIN_KEPT_TOKENS) for i in (1, 2, 3)}))
     tolerance = KEPT_STATE_TOLERANCE * max(1.0, float(np.abs(whole).max()))
-    difference = 0.0
-    for tried, k in enumerate(splits, 1):
-        kept = np.asarray(next_logits(probe[:k], probe[k:]), dtype=np.float64)
-        split_difference = float(np.abs(kept - whole).max())
-        if not split_difference <= tolerance:  # NaN too
-            return KeptStateCheck(False, split_difference, tolerance, splits[:tried])
-        difference = max(difference, split_difference)
-    return KeptStateCheck(True, difference, tolerance, splits)
+    tried: list[int] = []
+    worst = 0.0
+    for size in KEPT_PIECE_SIZES:
+        if 2 * size + 1 > n:
+            break
+        difference = 0.0
+        for k in sorted({size, n // 2, n - size}):
+            tried.append(k)
+            kept = np.asarray(next_logits(probe[:k], probe[k:]), dtype=np.float64)
+            split_difference = float(np.abs(kept - whole).max())
+            if not split_difference <= tolerance:  # NaN too
+                worst = split_difference if np.isnan(split_difference) else max(worst, split_difference)
+                break
+            difference = max(difference, split_difference)
+        else:
+            return KeptStateCheck(True, difference, tolerance, tuple(tried), size)
+    return KeptStateCheck(False, worst, tolerance, tuple(tried))

@@ -163,6 +163,8 @@ class CT2ChatLLM:
         self.threads = (inter_threads, intra_threads)
         #: The start-up check of the kept state; None when none is kept.
         self.kept_state: KeptStateCheck | None = None
+        #: The fewest tokens a kept state, and what is read after it, may have (the check's verdict).
+        self.min_kept_tokens = MIN_KEPT_TOKENS
         if self._static.prefixes or self.prefixes.budget_tokens:
             probe = [i for turn in self._chat.encode(PROBE).turns for i in turn]
             self.kept_state = check_kept_state(self._next_logits, probe)
@@ -170,6 +172,12 @@ class CT2ChatLLM:
                 log.warning("LLM %s: %s", model_dir, self.kept_state.describe())
                 self._static.prefixes = []
                 self.prefixes = ConversationPrefixes(0, prefix_session_tokens)
+            else:
+                self.min_kept_tokens = self.kept_state.min_tokens
+        # A state is kept this many tokens short of what it was read for, so that the shortest next turn (a
+        # one-word user turn and the answer's opening) still makes a piece of min_kept_tokens after it.
+        shortest_turn = sum(map(len, self._chat.encode([_ANY_USER]).turns[-2:]))
+        self._held_short_by = max(0, self.min_kept_tokens - shortest_turn)
         # Loading read each weight through temporary buffers that glibc keeps mapped: ~340 MB for the 0.5B model.
         release_freed_memory(min_interval_s=0.0)
         _LOADED.add(self)
@@ -315,13 +323,14 @@ class CT2ChatLLM:
     def _split(self, prompt: list[int]) -> tuple[list[int], list[int], int]:
         """The prompt's longest prefix whose state is held (or will be: a known system prompt), the rest,
         and how many of its tokens need no reading."""
+        least = self.min_kept_tokens
         with self._lock:
-            # Shorter pieces are read differently from the whole prompt (MIN_KEPT_TOKENS).
-            held = self.prefixes.find(prompt[: len(prompt) - MIN_KEPT_TOKENS + 1])
-            if len(held) < MIN_KEPT_TOKENS:
+            # Shorter pieces are read differently from the whole prompt (KEPT_PIECE_SIZES).
+            held = self.prefixes.find(prompt[: len(prompt) - least + 1])
+            if len(held) < least:
                 held = []
             known, rest = self._static.split(prompt)
-            if len(known) < MIN_KEPT_TOKENS or len(rest) < MIN_KEPT_TOKENS:
+            if len(known) < least or len(rest) < least:
                 known, rest = [], prompt
             if len(held) > len(known):
                 return held, prompt[len(held) :], len(held)
@@ -350,8 +359,11 @@ class CT2ChatLLM:
         if generator is None or not self.prefixes.budget_tokens:
             return False
         chat = self._chat.encode(messages, tools)
-        prefix = [token for turn in chat.turns[:-1] for token in turn]
-        if len(prefix) + 64 > self.max_context_tokens:
+        read = [token for turn in chat.turns[:-1] for token in turn]
+        prefix = read[: len(read) - self._held_short_by]
+        if len(prefix) < self.min_kept_tokens:
+            return False  # too short to be used (KEPT_PIECE_SIZES)
+        if len(read) + 64 > self.max_context_tokens:
             return False  # the next answer will be cut to fit, and start differently
         with self._lock:
             if self.prefixes.holds(prefix):
@@ -366,8 +378,9 @@ class CT2ChatLLM:
             # Streams running on the old model finish on it; it is freed after them.
             self._generator = generator = self._load()
             self.reloads += 1
+        after = read[len(prefix)] if len(prefix) < len(read) else chat.turns[-1][0]
         steps = generator.generate_tokens(
-            [self._vocabulary[chat.turns[-1][0]]],
+            [self._vocabulary[after]],
             static_prompt=[self._vocabulary[i] for i in prefix],
             max_length=1,
             sampling_topk=1,

@@ -5,6 +5,45 @@ from __future__ import annotations
 import re
 
 _CLAUSE_END = re.compile(r"(?<=[.!?;:])\s+|(?<=[,])\s+(?=\S{2,})")
+_WORD = re.compile(r"\S+\s+")
+
+#: Words after which English does not pause: they lean on the word that follows (articles, prepositions,
+#: conjunctions, auxiliaries, determiners, subject pronouns). The first clause is never cut after one.
+LEANING_WORDS = frozenset(
+    """
+    a an the this that these those my your his her its our their some any each every no not very so too
+    of to in on at by for with from into onto upon about over under after before than as like per via
+    and or but nor if because while although though whether since unless until when where which who whom whose
+    is are was were be been being am do does did has have had will would shall should can could may might must
+    i you he she it we they there here what how why
+    """.split()
+)
+#: Numbers, spelled or written: "twenty | five", "3 | million" are not where a speaker pauses.
+_NUMBER = re.compile(
+    r"[\d.,%$€£]+|zero|one|two|three|four|five|six|seven|eight|nine|ten|eleven|twelve|thirteen|fourteen|fifteen"
+    r"|sixteen|seventeen|eighteen|nineteen|twenty|thirty|forty|fifty|sixty|seventy|eighty|ninety|hundred|thousand"
+    r"|million|billion|point|half|quarter"
+)
+#: Contractions lean on what follows too ("it's | a", "you're | welcome").
+_CONTRACTION = re.compile(r".+'(s|re|m|ll|ve|d)|.+n't")
+
+
+def _leans(word: str) -> bool:
+    bare = word.strip().strip("\"'()[]*_").lower().replace("\u2019", "'")
+    return not bare or bare in LEANING_WORDS or bool(_NUMBER.fullmatch(bare) or _CONTRACTION.fullmatch(bare))
+
+
+def pause_fits_between(word: str, following: str) -> bool:
+    """Whether a speaker may pause between ``word`` and the ``following`` one (the first clause's prosody check).
+
+    Between a word that does not lean on the next and a word that opens a
+    phrase of its own (a verb's auxiliary, a preposition, a conjunction, a
+    pronoun): "The capital of France | is Paris", "Einstein | was born",
+    "a voice assistant | and I", never "The capital of | France" nor "a
+    voice | assistant".
+    """
+    bare = following.strip().strip("\"'()[]*_").lower().replace("\u2019", "'")
+    return not _leans(word) and (bare in LEANING_WORDS or bool(_CONTRACTION.fullmatch(bare)))
 
 
 class ClauseSplitter:
@@ -13,7 +52,10 @@ class ClauseSplitter:
     The first piece is cut at the first clause boundary (comma included), or
     after ``first_words`` words if no boundary comes sooner, to start
     speaking soon: a short answer is often one sentence, and waiting for its
-    end would wait for the whole answer. Later pieces are cut at sentence
+    end would wait for the whole answer. A cut between words is made only
+    where a speaker could pause (:func:`pause_fits_after`): "The capital of
+    France | is Paris", never "The capital of | France"; it waits for such
+    a place up to ``first_words + 6`` words. Later pieces are cut at sentence
     ends, so the voice keeps a natural flow.
 
     Each piece of text is scanned once (plus a few characters of context):
@@ -28,7 +70,7 @@ class ClauseSplitter:
         self.first = True
         self.first_min_chars = first_min_chars
         self.min_chars = min_chars
-        self._first_words = re.compile(r"\s*(?:\S+\s+){" + str(first_words) + "}")
+        self.first_words = first_words
         self._scanned = 0
 
     def feed(self, piece: str) -> list[str]:
@@ -42,17 +84,30 @@ class ClauseSplitter:
                 if m.start() >= limit and (is_sentence or self.first):
                     cut = m
                     break
+            end = cut.start() if cut is not None else None
+            after = cut.end() if cut is not None else None
             if cut is None and self.first:
-                cut = self._first_words.match(self.text)
-            if cut is None:
+                after = end = self._pause_after_first_words()
+            if end is None or after is None:
                 self._scanned = len(self.text)
                 return out
-            clause = self.text[: cut.end()].strip() if cut.re is self._first_words else self.text[: cut.start()].strip()
-            self.text = self.text[cut.end() :]
+            clause = self.text[:end].strip()
+            self.text = self.text[after:]
             self._scanned = 0
             if clause:
                 out.append(clause)
                 self.first = False
+
+    def _pause_after_first_words(self) -> int | None:
+        """Where the first clause may end between words: after ``first_words`` words or more, where a pause fits
+        (the word after it complete, to judge), or after ``first_words + 6`` words whatever they are."""
+        words = list(_WORD.finditer(self.text))
+        for n, word in enumerate(words, 1):
+            if n >= self.first_words + 6:
+                return word.end()
+            if n >= self.first_words and n < len(words) and pause_fits_between(word.group(), words[n].group()):
+                return word.end()
+        return None
 
     def flush(self) -> str:
         rest, self.text = self.text.strip(), ""

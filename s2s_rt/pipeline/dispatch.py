@@ -30,6 +30,8 @@ class Dispatcher:
         listener: the slot's listener (audio and buffer commands go to it, in order).
         input_budget: the slot's budget of audio waiting to be heard.
         max_wait_s: how long an append past the budget may wait for room before it is refused.
+        read_ahead: reads what the session's next answer begins with into the LLM's kept state (its new
+            instructions and tools, after a ``session.update``).
     """
 
     def __init__(
@@ -39,12 +41,14 @@ class Dispatcher:
         listener: Listener,
         input_budget: ByteBudget,
         max_wait_s: float,
+        read_ahead: Callable[[SessionContext], None] = lambda ctx: None,
     ) -> None:
         self.stage = stage
         self.serving = serving
         self.listener = listener
         self.input_budget = input_budget
         self.max_wait_s = max_wait_s
+        self.read_ahead = read_ahead
 
     async def receive(self, message: str | bytes) -> None:
         """Handle one frame from the client: decode, validate, dispatch.
@@ -161,6 +165,7 @@ class Dispatcher:
                 await stage.outbox.emit(events, scope)
                 # Turn detection changes reach the listener in order with the audio.
                 listener.command(ctx, SettingsChanged(scope))
+                self.read_ahead(ctx)
             case ce.ResponseCreate():
                 events = session.handle(ev)
                 r = session.response

@@ -157,8 +157,8 @@ class Outbox:
                 else "response.create"
             ),
             **{f"{step}_ms": round(1000 * seconds) for step, seconds in waterfall.items()},
-            "clause_tokens": timing.clause_tokens,
-            "ahead": int(timing.ahead),
+            "clause_tokens": timing.tokens_to_first_clause,
+            "ahead": int(timing.ahead is not None),
         }
         usage = response.usage
         if usage is not None:

@@ -135,7 +135,7 @@ class Responder:
                 timing = stage.outbox.timings.get(r.id)
                 if ahead is not None and attempt == 0:
                     if timing is not None:
-                        timing.took_ahead(ahead)
+                        timing.ahead = ahead
                     timing = None  # its steps were taken ahead, before the pieces are read again here
                 async with pieces as stream:
                     async for piece in stream:
@@ -212,16 +212,21 @@ class Responder:
             await self.to_tts.put(Speak(scope, r, rest))
         await self.to_tts.put(ResponseEnd(scope, r, usage))
 
-    def prime_after(self, ctx: SessionContext) -> None:
-        """An answer ended: read the conversation so far into the LLM's kept state, in the background.
+    def read_ahead(self, ctx: SessionContext) -> None:
+        """Read what the session's next answer will begin with into the LLM's kept state, in the background.
 
-        The next answer then reads only its new user turn (see
-        :meth:`~s2s_rt.engines.llm.CT2ChatLLM.prime`). It waits until no
-        answer is being generated (answers come first), runs while the user
-        speaks, and is cancelled with the session.
+        Called when a session starts, when its settings change, and when an
+        answer ends. The next answer then reads only its new user turn (see
+        :meth:`~s2s_rt.engines.llm.CT2ChatLLM.prime`): after an answer, the
+        conversation so far; before the first, the instructions and tools.
+        Kept state is the process's: instructions and tools another session
+        sent before are held already, and a fresh conversation's first answer
+        reads only its own words. It waits until no answer is being generated
+        (answers come first), runs while the user speaks, and is cancelled
+        with the session.
         """
         stage = self.stage
-        if not isinstance(stage.stack.llm, ReadsAhead):
+        if not isinstance(stage.stack.llm, ReadsAhead) or ctx.session.transcription_only:
             return
         stage.spawn(ctx.session.scope, self._prime(ctx), "prime")
 

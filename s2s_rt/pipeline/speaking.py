@@ -34,7 +34,7 @@ class Speaker:
         serving: the session the slot serves now.
         inbox: its queue (clauses, calls, response ends, session ends); what it makes goes to the outbox.
         answered: called when a response ended (the listener counts idle time from then).
-        prime_after: called when an answer ended (the responding stage reads the conversation ahead).
+        read_ahead: called when an answer ended (the responding stage reads the conversation ahead).
     """
 
     def __init__(
@@ -43,13 +43,13 @@ class Speaker:
         serving: Callable[[], SessionContext | None],
         inbox: asyncio.Queue[Any],
         answered: Callable[[SessionContext], None],
-        prime_after: Callable[[SessionContext], None],
+        read_ahead: Callable[[SessionContext], None],
     ) -> None:
         self.stage = stage
         self.serving = serving
         self.inbox = inbox
         self.answered = answered
-        self.prime_after = prime_after
+        self.read_ahead = read_ahead
         self._resampler: Resampler | None = None
         self._resampling_for: str | None = None
 
@@ -80,7 +80,7 @@ class Speaker:
             self.answered(ctx)
             await stage.outbox.emit(events, item.scope)
             if events:
-                self.prime_after(ctx)
+                self.read_ahead(ctx)
         elif not r.audio:
             await stage.outbox.emit(r.text_delta(item.text), item.scope)
         else:

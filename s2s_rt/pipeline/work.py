@@ -175,8 +175,8 @@ class TurnTiming:
     #: The first audio delta was queued for the client, and written to it.
     first_audio: float | None = None
     audio_sent: float | None = None
-    #: The answer was begun in the turn's closing silence, and adopted.
-    ahead: bool = False
+    #: The answer begun in the turn's closing silence, if the response adopted it: its model's steps are the turn's.
+    ahead: Anticipation | None = None
     user_text: str | None = None
 
     @property
@@ -192,14 +192,18 @@ class TurnTiming:
         origin = self.origin
         marks = {"silence": self.speech_end if self.last_voice is not None else None}
         marks |= {step: getattr(self, step) for step in WATERFALL_STEPS[1:]}
+        ahead = self.ahead
+        if ahead is not None:
+            marks["prompt_read"] = ahead.first_token
+            marks["first_clause"] = ahead.first_clause_at or self.first_clause
         return {step: t - origin for step, t in marks.items() if t is not None}
 
-    def took_ahead(self, ahead: Anticipation) -> None:
-        """The response adopted ``ahead``: its model's steps are the turn's."""
-        self.ahead = True
-        self.prompt_read = ahead.first_token
-        self.first_clause = ahead.first_clause_at
-        self.clause_tokens = ahead.clause_tokens
+    @property
+    def tokens_to_first_clause(self) -> int | None:
+        ahead = self.ahead
+        if ahead is not None and ahead.clause_tokens is not None:
+            return ahead.clause_tokens
+        return self.clause_tokens
 
 
 async def run_scoped(scope: Scope, coro: Coroutine[Any, Any, None]) -> None:
