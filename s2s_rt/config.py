@@ -135,9 +135,9 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: ``semantic_vad``: the shortest silence that ends a turn (when the words so far sound finished), and
     #: how long a silence ends it while they have not been judged yet (the LLM busy, or a remote one).
     semantic_min_silence_ms: int = 200
-    #: An answer's first clause, spoken as soon as it is complete, is cut after this many words at most
-    #: (sooner at a comma or a sentence's end); later ones at sentence ends.
-    first_clause_words: int = 5
+    #: An answer's first clause, spoken as soon as it is complete, is cut after this many words or a few more,
+    #: where a speaker could pause (sooner at a comma or a sentence's end); later ones at sentence ends.
+    first_clause_words: int = 3
     semantic_unknown_ms: int = 1200
     #: Threads inside one engine call, per engine kind.
     vad_threads: int = 1

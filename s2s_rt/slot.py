@@ -131,7 +131,8 @@ class Slot:
         send_timeout_s: how long one send may wait for a client that does not read.
         speculate_after_ms: silence after which a turn is transcribed ahead of its end (0: never).
         semantic: the waits of ``semantic_vad`` turn detection.
-        first_clause_words: an answer's first clause is cut after this many words at most (sooner at a comma).
+        first_clause_words: an answer's first clause is cut after this many words or a few more, where a pause
+            fits (sooner at a comma).
         max_output_bytes: most bytes of encoded events a session may have waiting to be sent.
         max_input_queue_bytes: most bytes of decoded input audio waiting for the VAD stage.
     """
@@ -149,7 +150,7 @@ class Slot:
         max_input_buffer_s: float = 900.0,
         send_timeout_s: float = 10.0,
         speculate_after_ms: int = 0,
-        first_clause_words: int = 5,
+        first_clause_words: int = 3,
         semantic: SemanticTurnEnd | None = None,
         max_output_bytes: int = 16 << 20,
         max_input_queue_bytes: int = 32 << 20,

@@ -65,7 +65,7 @@ class ClauseSplitter:
     #: How far back a boundary may start before the end of what was scanned.
     _CONTEXT = 4
 
-    def __init__(self, first_min_chars: int = 12, min_chars: int = 20, first_words: int = 5) -> None:
+    def __init__(self, first_min_chars: int = 12, min_chars: int = 20, first_words: int = 3) -> None:
         self.text = ""
         self.first = True
         self.first_min_chars = first_min_chars

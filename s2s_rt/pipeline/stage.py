@@ -33,7 +33,7 @@ class StageContext:
         metrics: where counts and timings go.
         outbox: the slot's send queue to the client of the session served now.
         fail: ends the session a failed piece of work belongs to, alone (``fail(exc, where, scope)``).
-        first_clause_words: an answer's first clause is cut after this many words at most.
+        first_clause_words: an answer's first clause is cut after this many words or a few more, where a pause fits.
     """
 
     index: int
@@ -42,7 +42,7 @@ class StageContext:
     metrics: Metrics
     outbox: Outbox
     fail: Callable[[BaseException, str, Scope | None], None]
-    first_clause_words: int = 5
+    first_clause_words: int = 3
 
     def voice(self, name: str) -> str | None:
         """The TTS engine's voice for a session's ``voice`` (None: the engine's own, for a name it lacks)."""
