@@ -122,11 +122,19 @@ def test_a_first_clause_whose_speech_fails_ahead_is_spoken_again_and_the_session
     """A failure of the speech made ahead used to raise in the slot's task group: every stage restarted, 1011."""
     import dataclasses
 
-    from s2s_rt.engines.fake import load_fake_stack
+    from s2s_rt.engines.fake import EchoLLM, load_fake_stack
+
+    class Opening(EchoLLM):
+        """Answers with a short sentence first: a first clause cut, and spoken, before the turn ends (the fake
+        transcript itself, "heard 900 ms crc …", has no place where a speaker would pause)."""
+
+        def stream(self, request: Any, **options: Any) -> Any:
+            yield "Sure, I can tell you. "
+            yield from super().stream(request, **options)
 
     fake = load_fake_stack()
     tts = _FirstCallFails(fake.tts)
-    stack = dataclasses.replace(fake, tts=tts)
+    stack = dataclasses.replace(fake, tts=tts, llm=Opening())
 
     async def scenario() -> None:
         async with Server(_config(), stack=stack) as server:
@@ -134,7 +142,7 @@ def test_a_first_clause_whose_speech_fails_ahead_is_spoken_again_and_the_session
                 await _talk(c, silence(0.3), tone(440, 0.6), silence(0.8))
                 done = await c.until("response.done", timeout=15)
                 assert done["response"]["status"] == "completed"
-                assert _said(c.events).startswith("You said:")
+                assert _said(c.events).startswith("Sure, I can tell you. You said:")
                 assert _metric(server, 's2s_speculative_responses_total{outcome="used"}') == 1
                 assert (await c.say_text("still here"))["response"]["status"] == "completed"
         assert tts.calls >= 2  # the failed clause was synthesised again
