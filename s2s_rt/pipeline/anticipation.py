@@ -22,16 +22,23 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
-from s2s_rt.engines.base import AsyncLLM, LLMRequest, LLMUsage
+from s2s_rt.engines.base import AsyncLLM, Float32Array, LLMRequest, LLMUsage
 from s2s_rt.inference import OneAtATime
 from s2s_rt.scope import Scope
 
-if TYPE_CHECKING:
-    from s2s_rt.pipeline.work import SpokenAhead
-
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class SpokenAhead:
+    """A clause's speech, synthesised ahead of its turn's end."""
+
+    audio: list[Float32Array]
+    #: ``perf_counter()`` when it was ready.
+    ready: float
 
 
 class Anticipation:

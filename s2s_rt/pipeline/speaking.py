@@ -13,8 +13,9 @@ import numpy as np
 from s2s_rt.audio import Resampler
 from s2s_rt.engines.base import Float32Array
 from s2s_rt.inference import EngineTimeout
+from s2s_rt.pipeline.anticipation import SpokenAhead
 from s2s_rt.pipeline.stage import serve
-from s2s_rt.pipeline.work import CallOut, ResponseEnd, SessionEnd, Speak, SpokenAhead, run_scoped
+from s2s_rt.pipeline.work import CallOut, ResponseEnd, SessionEnd, Speak, run_scoped
 
 if TYPE_CHECKING:
     from s2s_rt.pipeline.context import SessionContext

@@ -31,10 +31,10 @@ from typing import TYPE_CHECKING, Any
 from s2s_rt.engines.base import ChatMessage, Float32Array, JudgesTurnEnd, LLMRequest, TakesTurns, Transcript
 from s2s_rt.lifecycle import Lifecycle
 from s2s_rt.listening.buffer import join
-from s2s_rt.pipeline.anticipation import Anticipation, can_anticipate
+from s2s_rt.pipeline.anticipation import Anticipation, SpokenAhead, can_anticipate
 from s2s_rt.pipeline.clauses import ClauseSplitter
 from s2s_rt.pipeline.turns import TurnState
-from s2s_rt.pipeline.work import SpokenAhead, TurnTiming, ms_to_samples, samples_to_ms
+from s2s_rt.pipeline.work import TurnTiming, ms_to_samples, samples_to_ms
 from s2s_rt.scope import Scope
 from s2s_rt.spoken_answer import with_answer_context
 from s2s_rt.toolcalls import offered_tools

@@ -17,7 +17,7 @@ from s2s_rt.engines.base import PIPELINE_RATE, Float32Array, LLMUsage, Transcrip
 from s2s_rt.scope import Scope
 
 if TYPE_CHECKING:
-    from s2s_rt.pipeline.anticipation import Anticipation
+    from s2s_rt.pipeline.anticipation import Anticipation, SpokenAhead
     from s2s_rt.protocol.response import Response
 
 
@@ -81,15 +81,6 @@ class Transcribe:
     speculation: asyncio.Task[Transcript | BaseException] | None = None
     #: The answer to it begun in that silence, if any.
     anticipation: Anticipation | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class SpokenAhead:
-    """A clause's speech, synthesised ahead of its turn's end."""
-
-    audio: list[Float32Array]
-    #: ``perf_counter()`` when it was ready.
-    ready: float
 
 
 @dataclass(slots=True)
