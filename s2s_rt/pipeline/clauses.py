@@ -28,8 +28,13 @@ _NUMBER = re.compile(
 _CONTRACTION = re.compile(r".+'(s|re|m|ll|ve|d)|.+n't")
 
 
+def _bare(word: str) -> str:
+    """``word`` without its spacing, quotes and brackets, in lower case, with a plain apostrophe."""
+    return word.strip().strip("\"'()[]*_").lower().replace("\u2019", "'")
+
+
 def _leans(word: str) -> bool:
-    bare = word.strip().strip("\"'()[]*_").lower().replace("\u2019", "'")
+    bare = _bare(word)
     return not bare or bare in LEANING_WORDS or bool(_NUMBER.fullmatch(bare) or _CONTRACTION.fullmatch(bare))
 
 
@@ -42,7 +47,7 @@ def pause_fits_between(word: str, following: str) -> bool:
     "a voice assistant | and I", never "The capital of | France" nor "a
     voice | assistant".
     """
-    bare = following.strip().strip("\"'()[]*_").lower().replace("\u2019", "'")
+    bare = _bare(following)
     return not _leans(word) and (bare in LEANING_WORDS or bool(_CONTRACTION.fullmatch(bare)))
 
 
@@ -53,7 +58,7 @@ class ClauseSplitter:
     after ``first_words`` words if no boundary comes sooner, to start
     speaking soon: a short answer is often one sentence, and waiting for its
     end would wait for the whole answer. A cut between words is made only
-    where a speaker could pause (:func:`pause_fits_after`): "The capital of
+    where a speaker could pause (:func:`pause_fits_between`): "The capital of
     France | is Paris", never "The capital of | France"; it waits for such
     a place up to ``first_words + 6`` words. Later pieces are cut at sentence
     ends, so the voice keeps a natural flow.

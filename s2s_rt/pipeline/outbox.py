@@ -79,7 +79,8 @@ class Outbox:
             scope = scope.outermost
         elif event.type == "response.output_audio.delta":
             timing = self.timings.get(event.response_id)  # type: ignore[attr-defined]
-            if timing is not None and timing.audio_sent is None:
+            if timing is not None and not timing.first_delta_queued:
+                timing.first_delta_queued = True  # only the response's first delta is watched
                 sent = functools.partial(_audio_sent, timing)
         return Outgoing(scope, event.type, encode_event(event), sent)
 
@@ -212,8 +213,7 @@ class Outbox:
 
 
 def _audio_sent(timing: TurnTiming) -> None:
-    if timing.audio_sent is None:
-        timing.audio_sent = time.perf_counter()
+    timing.audio_sent = time.perf_counter()
 
 
 async def close_quickly(ws: ServerConnection, code: int, reason: str) -> None:

@@ -166,6 +166,8 @@ class TurnTiming:
     #: The first audio delta was queued for the client, and written to it.
     first_audio: float | None = None
     audio_sent: float | None = None
+    #: The outbox watches the response's first audio delta (and no other) for when it is written.
+    first_delta_queued: bool = False
     #: The answer begun in the turn's closing silence, if the response adopted it: its model's steps are the turn's.
     ahead: Anticipation | None = None
     user_text: str | None = None
