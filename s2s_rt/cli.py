@@ -63,6 +63,23 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--allowed-origin", dest="allowed_origins", action="append", help="allow browsers from this Origin; repeatable"
     )
     p.add_argument(
+        "--ice-server",
+        dest="ice_servers",
+        action="append",
+        help="a STUN or TURN server for WebRTC calls (stun:HOST:PORT, USER:PASS@turn:HOST:PORT?transport=tcp);"
+        " repeatable; default: host candidates only",
+    )
+    p.add_argument(
+        "--call-timeout", type=float, dest="call_timeout_s", help="seconds a WebRTC call may take to connect (15)"
+    )
+    p.add_argument(
+        "--page-secrets",
+        dest="page_secrets",
+        action="store_const",
+        const=True,
+        help="with API keys on, let the page at / get a short-lived client secret (POST /page/client_secret)",
+    )
+    p.add_argument(
         "--trusted-proxy",
         dest="trusted_proxies",
         action="append",

@@ -159,6 +159,15 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     api_keys: list[str] = []
     #: When non-empty, browsers (which send ``Origin``) must come from one of these.
     allowed_origins: list[str] = []
+    #: WebRTC calls: STUN/TURN servers (``stun:host:3478``, ``USER:PASS@turn:host:3478?transport=tcp``);
+    #: none: host candidates only.
+    ice_servers: list[str] = []
+    #: A call whose data channel has not opened this long after its offer (ICE never completed) ends.
+    call_timeout_s: float = 15.0
+    #: The longest ``expires_after.seconds`` a client secret may ask for (OpenAI's bound: two hours).
+    max_client_secret_s: int = 7200
+    #: Let the page at ``/`` get a client secret (``POST /page/client_secret``) without a key, when keys are on.
+    page_secrets: bool = False
     #: Proxies (addresses or networks) whose ``X-Forwarded-For`` names the real client
     #: (for per-address limits and logs); other peers' header is ignored.
     trusted_proxies: list[str] = []
@@ -211,6 +220,14 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ConfigError("first_clause_words must be 1..50")
         if self.llm_prefix_cache_tokens < 0 or self.llm_prefix_session_tokens < 0:
             raise ConfigError("llm_prefix_cache_tokens and llm_prefix_session_tokens must be 0 or more")
+        if not 0 < self.call_timeout_s <= 600:
+            raise ConfigError("call_timeout_s must be above 0 and at most 600")
+        if not 10 <= self.max_client_secret_s <= 86400:
+            raise ConfigError("max_client_secret_s must be 10..86400")
+        for server in self.ice_servers:
+            url = server.rpartition("@")[2]
+            if not url.startswith(("stun:", "turn:", "turns:")):
+                raise ConfigError(f"ice_servers: {server!r} is not a stun:, turn: or turns: URL")
         for proxy in self.trusted_proxies:
             try:
                 ipaddress.ip_network(proxy, strict=False)

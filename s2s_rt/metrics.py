@@ -110,6 +110,7 @@ class Metrics:
     ) -> None:
         self.sessions_total = Counter("s2s_sessions_total", "Sessions started.")
         self.rejections = Counter("s2s_rejections_total", "Connections refused, by reason.")
+        self.client_secrets = Counter("s2s_client_secrets_total", "Client secrets minted.")
         self.events_in = Counter("s2s_events_in_total", "Client events received, by type.")
         self.events_out = Counter("s2s_events_out_total", "Server events sent, by type.")
         self.errors = Counter("s2s_errors_total", "Error events sent, by code.")

@@ -68,7 +68,7 @@ from s2s_rt.scope import Scope
 from s2s_rt.turn import SemanticTurnEnd
 
 if TYPE_CHECKING:
-    from websockets.asyncio.server import ServerConnection
+    from s2s_rt.pipeline.outbox import Channel
 
 log = logging.getLogger(__name__)
 
@@ -232,15 +232,24 @@ class Slot:
             log.warning("slot %d back in service (was quarantined: %s)", self.index, self.quarantine_reason)
             self.quarantine_reason = None
 
-    async def attach(self, ws: ServerConnection, session: Session, client: str) -> None:
-        """Bind a claimed slot to a new session and greet the client."""
+    async def attach(self, channel: Channel, session: Session, client: str) -> None:
+        """Bind a claimed slot to a new session on ``channel`` (a WebSocket, a call) and greet the client."""
         assert self.state is SlotState.ACTIVE and self.ctx is None
         self.ctx = SessionContext(
-            ws, session, client, self.stack.vad.new_state(), self.listener.semantic, self.listener.speculator_for
+            channel, session, client, self.stack.vad.new_state(), self.listener.semantic, self.listener.speculator_for
         )
         # A task of this session that raises ends this session, and only it.
         session.scope.on_failure = lambda exc: self.fail(exc, "a task of the session", session.scope)
-        self.outbox.ws, self.outbox.session, self.outbox.client = ws, session, client
+        self.outbox.channel, self.outbox.session, self.outbox.client = channel, session, client
+        if channel.media is not None:
+            media = channel.media
+
+            def played(kind: str, response_id: str) -> None:
+                # output_audio_buffer.started / stopped, from the call's track as it plays.
+                if not session.scope.stale:
+                    self.outbox.emit_nowait([session.output_audio_buffer(kind, response_id)], session.scope)
+
+            media.notify = played
         self.sessions_served += 1
         self._drained.clear()
         await self.outbox.emit(session.created_events(), session.scope)
@@ -266,7 +275,7 @@ class Slot:
         try:
             self.outbox.queue.put_nowait(CloseRequest(ctx.session.scope, close_code, reason))
         except asyncio.QueueFull:
-            self.scope.spawn(close_quickly(ctx.ws, close_code, reason), f"slot{self.index}-close")
+            self.scope.spawn(close_quickly(ctx.channel, close_code, reason), f"slot{self.index}-close")
 
     def fail(self, exc: BaseException, where: str, scope: Scope | None = None) -> None:
         """The session's share of some work failed: end that session alone (error, close 1011, slot back).
@@ -298,7 +307,7 @@ class Slot:
         ctx.audio.closing = True
         session.end()
         self._notify()
-        self.scope.spawn(_say_and_close(ctx.ws, data, 1011, "internal error"), f"slot{self.index}-failed")
+        self.scope.spawn(_say_and_close(ctx.channel, data, 1011, "internal error"), f"slot{self.index}-failed")
 
     async def end_with_error(self, exc: ProtocolError, close_code: int) -> None:
         """Send ``exc`` as an error event, then close the socket with ``close_code``."""
@@ -350,7 +359,7 @@ class Slot:
 
     def _finish_drain(self) -> None:
         self.ctx = None
-        self.outbox.ws = self.outbox.session = None
+        self.outbox.channel = self.outbox.session = None
         self.outbox.timings.clear()
         release_freed_memory(background=True)
         if self.state in (SlotState.DRAINING, SlotState.QUARANTINED):
@@ -412,7 +421,7 @@ class Slot:
             self._rest_after_crashes()
 
 
-async def _say_and_close(ws: ServerConnection, data: list[bytes], code: int, reason: str) -> None:
+async def _say_and_close(ws: Channel, data: list[bytes], code: int, reason: str) -> None:
     """Send a failed session's last events and close its socket (within a second or two, whatever the client does)."""
     try:
         async with asyncio.timeout(1.0):

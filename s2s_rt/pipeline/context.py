@@ -13,11 +13,11 @@ from s2s_rt.protocol.session import Session
 from s2s_rt.turn import SemanticTurnEnd
 
 if TYPE_CHECKING:
-    from websockets.asyncio.server import ServerConnection
+    from s2s_rt.pipeline.outbox import Channel
 
 
 class SessionContext:
-    """A session's socket and state, as the slot's stages see it.
+    """A session's channel and state, as the slot's stages see it.
 
     The listening clock alone touches :attr:`audio`, :attr:`turns` and
     :attr:`speculator` (through the slot's listener), and the receive path
@@ -29,14 +29,15 @@ class SessionContext:
 
     def __init__(
         self,
-        ws: ServerConnection,
+        channel: Channel,
         session: Session,
         client: str,
         vad_state: Any,
         semantic: SemanticTurnEnd,
         speculate: Callable[[SessionContext], Speculator],
     ) -> None:
-        self.ws = ws
+        #: What carries its events (a WebSocket, a call); ``channel.media`` plays a call's audio.
+        self.channel = channel
         self.session = session
         self.client = client
         td = session.config.turn_detection

@@ -12,6 +12,7 @@ from s2s_rt.protocol import client_events as ce
 from s2s_rt.protocol.errors import ProtocolError
 
 if TYPE_CHECKING:
+    from s2s_rt.audio import AudioFormat
     from s2s_rt.budget import ByteBudget
     from s2s_rt.pipeline.context import SessionContext
     from s2s_rt.pipeline.listener import Listener
@@ -102,6 +103,19 @@ class Dispatcher:
         self.stage.metrics.events_in.add(_APPEND)
         return True
 
+    def media_audio(self, ctx: SessionContext, fmt: AudioFormat, data: bytes) -> None:
+        """Audio from a call's media track, in ``fmt``: heard as an append's would be.
+
+        It arrives in real time and cannot be asked to wait: past the input
+        budget (the listening clock is that far behind) it is dropped and counted.
+        """
+        if ctx.audio.closing or ctx.session.scope.stale:
+            return
+        if not self.input_budget.try_take(len(data)):
+            self.stage.metrics.dropped_stale.inc(stage="call_audio")
+            return
+        self.listener.audio(ctx, data, fmt=fmt)
+
     def _append(self, ctx: SessionContext, ev: ce.InputAudioBufferAppend) -> bool:
         """Queue an append's raw bytes for the listening clock; False when its input budget is spent.
 
@@ -174,6 +188,15 @@ class Dispatcher:
                 await stage.outbox.emit(events, scope)
                 # It travels behind the audio and transcriptions before it.
                 listener.command(ctx, ResponseRequest(r.scope, r))
+            case ce.OutputAudioBufferClear():
+                media = ctx.channel.media
+                if media is None:
+                    raise ProtocolError(
+                        "invalid_request_error",
+                        "output_audio_buffer.clear is for WebRTC calls: over a WebSocket the client holds the"
+                        " audio it was sent (cancel the response, and truncate the item at what was played)",
+                    )
+                await stage.outbox.emit(session.cut_off(*media.clear()), scope)
             case ce.ResponseCancel():
                 events = session.handle(ev)
                 stage.metrics.turns.inc(status="cancelled")

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from s2s_rt.audio import AudioFormat
 from s2s_rt.budget import ByteBudget
 from s2s_rt.engines.base import PIPELINE_RATE
 from s2s_rt.listening.clock import ListeningClock
@@ -93,13 +94,15 @@ class Listener:
 
     # --- arrival (the receive path) -------------------------------------------
 
-    def audio(self, ctx: SessionContext, data: bytes, event_id: str | None = None) -> None:
-        """Raw audio from the client, in the format the session has now.
+    def audio(
+        self, ctx: SessionContext, data: bytes, event_id: str | None = None, fmt: AudioFormat | None = None
+    ) -> None:
+        """Raw audio from the client, in ``fmt`` (None: the format the session has now).
 
         Raises:
             ProtocolError: the byte count does not fit the format.
         """
-        fmt = ctx.session.config.input_format
+        fmt = ctx.session.config.input_format if fmt is None else fmt
         if len(data) % fmt.bytes_per_sample:
             raise ProtocolError(
                 "invalid_audio_length",
@@ -280,6 +283,10 @@ class Listener:
             # Barge-in: the answer being spoken is cancelled at once.
             events += session.cancel_response("turn_detected")
             self.stage.metrics.turns.inc(status="cancelled")
+        media = ctx.channel.media
+        if media is not None and td is not None and td.interrupt_response and media.playing is not None:
+            # A call's audio is played here: what is not yet heard is dropped, and the item truncated at what was.
+            events += session.cut_off(*media.clear())
         self._emit(ctx, events)
 
     def _speech_stopped(self, ctx: SessionContext, turn: SpeechStop) -> None:

@@ -9,11 +9,12 @@ the slot when the session's ``SessionEnd`` reaches it.
 from __future__ import annotations
 
 import asyncio
+import base64
 import functools
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from websockets.exceptions import ConnectionClosed
 
@@ -25,11 +26,34 @@ from s2s_rt.protocol.server_events import ServerEvent, encode_event
 from s2s_rt.scope import Scope
 
 if TYPE_CHECKING:
-    from websockets.asyncio.server import ServerConnection
-
     from s2s_rt.protocol.session import Session
+    from s2s_rt.server.webrtc import Playback
 
 log = logging.getLogger(__name__)
+
+
+class Channel(Protocol):
+    """What carries one session's events to its client: a WebSocket connection, or a WebRTC call.
+
+    Attributes:
+        media: where the answers' audio goes instead of ``response.output_audio.delta`` events
+            (a call's outgoing track); None when the audio travels in the events (a WebSocket).
+        close_code: the close code, once closed.
+    """
+
+    media: Playback | None
+    close_code: int | None
+
+    @property
+    def is_open(self) -> bool: ...
+
+    async def send(self, data: bytes, text: bool = ...) -> None:
+        """Send one event; raises ``ConnectionClosed`` when the client is gone."""
+
+    async def close(self, code: int = 1000, reason: str = "") -> None: ...
+
+    def abort(self) -> None:
+        """Drop the connection at once."""
 
 
 class Outbox:
@@ -52,8 +76,8 @@ class Outbox:
         self.budget = ByteBudget("output", max_bytes)
         self.send_timeout_s = send_timeout_s
         self.log_content = False
-        #: The socket, session and client address of the session served now.
-        self.ws: ServerConnection | None = None
+        #: The channel, session and client address of the session served now.
+        self.channel: Channel | None = None
         self.session: Session | None = None
         self.client = ""
         #: When each stage of a response's turn happened, for the turn log and metrics.
@@ -72,6 +96,7 @@ class Outbox:
             if timing is not None:
                 sent = functools.partial(self._turn_done, event, timing)
             self.on_response_done()
+            return Outgoing(scope, event.type, encode_event(event), sent, ends_audio_of=event.response.id)  # type: ignore[attr-defined]
         elif not event.type.endswith(".delta"):
             # What opens or closes an item, part or response goes out with its
             # session: a client never sees a close without its open. Only the
@@ -82,6 +107,12 @@ class Outbox:
             if timing is not None and not timing.first_delta_queued:
                 timing.first_delta_queued = True  # only the response's first delta is watched
                 sent = functools.partial(_audio_sent, timing)
+            channel = self.channel
+            if channel is not None and channel.media is not None and self.session is not None:
+                # A call plays the audio on its track: the event itself is not sent.
+                audio = base64.b64decode(event.delta)  # type: ignore[attr-defined]
+                play = (event.response_id, event.item_id, audio, self.session.config.output_format)  # type: ignore[attr-defined]
+                return Outgoing(scope, event.type, b"", sent, play)
         return Outgoing(scope, event.type, encode_event(event), sent)
 
     async def emit(self, events: list[ServerEvent], scope: Scope) -> None:
@@ -186,13 +217,21 @@ class Outbox:
             return
         if isinstance(item, Outgoing):
             self.budget.release(len(item.data))
-        ws = self.ws
+        ws = self.channel
         if item.scope.stale or ws is None:
             self.metrics.dropped_stale.inc(stage="send")
             return
         if isinstance(item, CloseRequest):
             await close_quickly(ws, item.code, item.reason)
             return
+        if item.play is not None and ws.media is not None:
+            ws.media.play(*item.play)
+            self.metrics.events_out.inc(type=item.type)
+            if item.sent is not None:
+                item.sent()
+            return
+        if ws.media is not None and item.ends_audio_of is not None:
+            ws.media.finish(item.ends_audio_of)
         self.sending_since = time.monotonic()
         try:
             await ws.send(item.data, text=True)
@@ -216,10 +255,10 @@ def _audio_sent(timing: TurnTiming) -> None:
     timing.audio_sent = time.perf_counter()
 
 
-async def close_quickly(ws: ServerConnection, code: int, reason: str) -> None:
-    """Send a close frame; if the peer does not answer within a second, drop the TCP connection."""
+async def close_quickly(ws: Channel, code: int, reason: str) -> None:
+    """Send a close frame; if the peer does not answer within a second, drop the connection."""
     try:
         async with asyncio.timeout(1.0):
             await ws.close(code, reason)
     except TimeoutError:
-        ws.transport.abort()
+        ws.abort()

@@ -127,6 +127,10 @@ class Outgoing:
     data: bytes
     #: Called once it has been written to the client (a turn's waterfall step).
     sent: Callable[[], None] | None = None
+    #: An audio delta for a call's track instead of its events: (response id, item id, audio, its format).
+    play: tuple[str, str, bytes, Any] | None = None
+    #: The response whose audio this event ends (its ``response.done``): a call's track has it all.
+    ends_audio_of: str | None = None
 
 
 #: The steps of a turn's waterfall, in order: what happened between the user's last word and their answer's

@@ -154,6 +154,10 @@ class InputAudioBufferCommit(_Event, tag="input_audio_buffer.commit"):
     pass
 
 
+class OutputAudioBufferClear(_Event, tag="output_audio_buffer.clear"):
+    """WebRTC: cut off the audio the server is playing (it truncates the item at what was heard)."""
+
+
 class InputAudioBufferClear(_Event, tag="input_audio_buffer.clear"):
     pass
 
@@ -191,6 +195,7 @@ ClientEvent = Union[  # noqa: UP007 - a runtime Union msgspec can read __args__ 
     InputAudioBufferAppend,
     InputAudioBufferCommit,
     InputAudioBufferClear,
+    OutputAudioBufferClear,
     ConversationItemCreate,
     ConversationItemRetrieve,
     ConversationItemTruncate,

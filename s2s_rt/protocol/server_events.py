@@ -128,6 +128,10 @@ class BufferCleared(ServerEvent):
     pass
 
 
+class OutputAudioBuffer(ServerEvent):  # output_audio_buffer.started|stopped|cleared (WebRTC)
+    response_id: str
+
+
 class TimeoutTriggered(ServerEvent):
     audio_start_ms: int
     audio_end_ms: int

@@ -441,6 +441,27 @@ class Session:
         self._streamed.clear()  # no turn is open any more
         return self._ev(se.BufferCleared, "input_audio_buffer.cleared")
 
+    def output_audio_buffer(self, kind: str, response_id: str) -> se.ServerEvent:
+        """``output_audio_buffer.started``, ``.stopped`` or ``.cleared``: what a call's track played (WebRTC)."""
+        return self._ev(se.OutputAudioBuffer, f"output_audio_buffer.{kind}", response_id=response_id)
+
+    def cut_off(self, response_id: str | None, item_id: str | None, heard_ms: float) -> list[se.ServerEvent]:
+        """A call's audio was cut off after ``heard_ms`` of ``item_id``: ``cleared``, and the item truncated there.
+
+        The server played it, so it truncates the assistant's item at what
+        was heard, as a client over WebSocket does with ``conversation.item.truncate``.
+        """
+        events: list[se.ServerEvent] = []
+        if response_id is not None:
+            events.append(self.output_audio_buffer("cleared", response_id))
+        if item_id is not None and item_id in self.conversation.spoken:
+            truncate = ce.ConversationItemTruncate(item_id=item_id, content_index=0, audio_end_ms=int(heard_ms))
+            try:
+                events += self.truncate_item(truncate)
+            except ProtocolError:
+                pass  # the item was deleted meanwhile, or is no longer one that holds audio
+        return events
+
     def timeout_triggered(self, start_ms: int, end_ms: int, item_id: str) -> list[se.ServerEvent]:
         """``input_audio_buffer.timeout_triggered`` (a GA event: beta has no such type)."""
         if self.dialect.beta:

@@ -3,24 +3,38 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import ipaddress
 import logging
 import time
+from collections.abc import Awaitable, Callable
+from typing import NamedTuple
 
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed, ConnectionClosedOK
+from websockets.http11 import Request
 
 from s2s_rt.config import Config
 from s2s_rt.engines.base import Stack
 from s2s_rt.metrics import Metrics
-from s2s_rt.pipeline.outbox import close_quickly
+from s2s_rt.pipeline.outbox import Channel, close_quickly
 from s2s_rt.protocol.errors import ProtocolError
-from s2s_rt.protocol.server_events import BETA, GA, encode_event
+from s2s_rt.protocol.server_events import BETA, GA, Dialect, encode_event
 from s2s_rt.protocol.session import Session
 from s2s_rt.server.direct import DirectConnection
-from s2s_rt.server.handshake import asked_model, client_host, peer, wants_beta, wants_transcription
+from s2s_rt.server.handshake import (
+    asked_model,
+    client_host,
+    offered_keys,
+    peer,
+    wants_beta,
+    wants_transcription,
+)
 from s2s_rt.server.pool import Pool
+from s2s_rt.server.secrets import PREFIX as SECRET_PREFIX
+from s2s_rt.server.secrets import ClientSecret, ClientSecrets
 from s2s_rt.server.state import Serving
+from s2s_rt.server.webrtc import HEARD_FORMAT, Call
 from s2s_rt.slot import Slot
 
 log = logging.getLogger(__name__)
@@ -37,10 +51,14 @@ class Connections:
         server: whether it takes sessions.
         pool: the slots.
         stack: the engines (their voices, for new sessions).
+        secrets: the client secrets minted (a session opened with one starts with its configuration).
     """
 
-    def __init__(self, config: Config, metrics: Metrics, server: Serving, pool: Pool, stack: Stack) -> None:
+    def __init__(
+        self, config: Config, metrics: Metrics, server: Serving, pool: Pool, stack: Stack, secrets: ClientSecrets
+    ) -> None:
         self.config = config
+        self.secrets = secrets
         self.metrics = metrics
         self.server = server
         self.pool = pool
@@ -70,12 +88,9 @@ class Connections:
         except ConnectionClosed:
             pass
 
-    async def _serve_connection(self, ws: ServerConnection, host: str) -> None:
+    async def admit(self) -> Slot | Refusal:
+        """A slot for a new session (WebSocket or call), or why there is none."""
         cfg = self.config
-        if cfg.max_connections_per_ip and self.per_ip[host] > cfg.max_connections_per_ip:
-            text = f"At most {cfg.max_connections_per_ip} concurrent connections per client address"
-            await self._refuse(ws, "too_many_connections", text, 1008)
-            return
         server = self.server
         slot = (
             None
@@ -84,45 +99,82 @@ class Connections:
                 server.admits, min(cfg.drain_deadline_s, 2.0), lambda: server.closing or server.draining
             )
         )
-        if slot is None:
-            if server.closing or server.draining:
-                await self._refuse(ws, "shutting_down", "The server is not taking new sessions", 1013)
-            elif not server.admits():
-                # Refused before the admitted sessions degrade.
-                text = "The server is at capacity (listening to one more session would make every one late)"
-                await self._refuse(ws, "session_limit_reached", f"{text}; try again later", 1013)
-            else:
-                text = f"All {len(self.pool.slots)} sessions are in use; try again later"
-                await self._refuse(ws, "session_limit_reached", text, 1013)
+        if slot is not None:
+            return slot
+        if server.closing or server.draining:
+            return Refusal("shutting_down", "The server is not taking new sessions", 1013)
+        if not server.admits():
+            # Refused before the admitted sessions degrade.
+            text = "The server is at capacity (listening to one more session would make every one late)"
+            return Refusal("session_limit_reached", f"{text}; try again later", 1013)
+        text = f"All {len(self.pool.slots)} sessions are in use; try again later"
+        return Refusal("session_limit_reached", text, 1013)
+
+    def new_session(self, dialect: Dialect, *, transcription: bool, model: str | None) -> Session:
+        return Session(
+            dialect,
+            self.stack.tts.voices,
+            max_conversation_bytes=mib(self.config.max_conversation_mib),
+            transcription_only=transcription,
+            model=model,
+        )
+
+    async def _serve_connection(self, ws: ServerConnection, host: str) -> None:
+        cfg = self.config
+        if cfg.max_connections_per_ip and self.per_ip[host] > cfg.max_connections_per_ip:
+            text = f"At most {cfg.max_connections_per_ip} concurrent connections per client address"
+            await self._refuse(ws, "too_many_connections", text, 1008)
             return
-        # From the claim on, whatever happens, the slot is handed back.
-        started = time.monotonic()
+        slot = await self.admit()
+        if isinstance(slot, Refusal):
+            await self._refuse(ws, slot.code, slot.text, slot.close_code)
+            return
         host, port = client_host(ws, self.trusted), peer(ws)[1]
         client = f"{host}:{port}" if port is not None and host == peer(ws)[0] else host
-        session: Session | None = None
-        reason = "client closed"
+        secret = self.secret_of(ws.request)
         try:
-            dialect = BETA if wants_beta(ws.request) else GA
-            session = Session(
-                dialect,
-                self.stack.tts.voices,
-                max_conversation_bytes=mib(cfg.max_conversation_mib),
-                transcription_only=wants_transcription(ws.request),
+            session = self.new_session(
+                BETA if wants_beta(ws.request) else GA,
+                transcription=wants_transcription(ws.request) or (secret is not None and secret.transcription),
                 model=asked_model(ws.request),
             )
+            if secret is not None and secret.update is not None:
+                session.handle(secret.update)
+        except BaseException:
+            await slot.end_session()
+            raise
+        assert isinstance(ws, DirectConnection)  # serve() makes every connection one
+        await self.serve(slot, ws, session, client, lambda: self._receive_loop(ws, slot))
+
+    async def serve(
+        self,
+        slot: Slot,
+        channel: Channel,
+        session: Session,
+        client: str,
+        receive: Callable[[], Awaitable[str | None]],
+    ) -> None:
+        """Serve a session on a claimed slot until ``receive`` returns (why the session ended, or None).
+
+        The same for every transport: from the claim on, whatever happens, the slot is handed back.
+        """
+        started = time.monotonic()
+        reason = "client closed"
+        try:
             self.metrics.sessions_total.inc()
-            await slot.attach(ws, session, client)
+            await slot.attach(channel, session, client)
             log.info(
-                "session %s started on slot %d for %s (%s)",
+                "session %s started on slot %d for %s (%s%s)",
                 session.id,
                 slot.index,
                 client,
-                "beta" if dialect.beta else "GA",
+                "beta" if session.dialect.beta else "GA",
+                ", WebRTC" if channel.media is not None else "",
                 extra={
                     "fields": {"event": "session_start", "session": session.id, "slot": slot.index, "client": client}
                 },
             )
-            reason = await self._receive_loop(ws, slot) or reason
+            reason = await receive() or reason
         except ConnectionClosedOK:
             reason = "client closed"
         except ConnectionClosed:
@@ -130,16 +182,15 @@ class Connections:
         except Exception:
             reason = "internal error"
             log.exception("slot %d: error while handling a session", slot.index)
-            await close_quickly(ws, 1011, "internal error")
+            await close_quickly(channel, 1011, "internal error")
         finally:
-            if ws.close_code not in (None, 1000, 1001, 1005) and reason == "client closed":
-                reason = f"closed with {ws.close_code}"
+            if channel.close_code not in (None, 1000, 1001, 1005) and reason == "client closed":
+                reason = f"closed with {channel.close_code}"
             clean = await slot.end_session()
-            session_id = session.id if session is not None else None
-            turns = session.turns if session is not None else 0
+            turns = session.turns
             log.info(
                 "session %s ended on slot %d: %s after %.1f s, %d turns%s",
-                session_id,
+                session.id,
                 slot.index,
                 reason,
                 time.monotonic() - started,
@@ -148,7 +199,7 @@ class Connections:
                 extra={
                     "fields": {
                         "event": "session_end",
-                        "session": session_id,
+                        "session": session.id,
                         "slot": slot.index,
                         "client": client,
                         "duration_s": round(time.monotonic() - started, 3),
@@ -158,6 +209,53 @@ class Connections:
                     }
                 },
             )
+
+    def secret_of(self, request: Request | None) -> ClientSecret | None:
+        """The live client secret a handshake or request presents, if any (the handshake checked it)."""
+        if request is None:
+            return None
+        for offered in offered_keys(request):
+            if offered.startswith(SECRET_PREFIX):
+                found = self.secrets.find(offered)
+                if found is not None:
+                    return found
+        return None
+
+    async def receive_call(self, call: Call, slot: Slot) -> str | None:
+        """Feed a call's events (its data channel) and audio (its track) to its slot until the call ends.
+
+        Events pass the same budget as a WebSocket's; audio is not an event
+        (it comes in real time, and the input budget bounds it).
+
+        Returns:
+            Why the session ended.
+        """
+        cfg = self.config
+        loop = asyncio.get_running_loop()
+        budget = EventBudget(cfg.max_events_per_s, cfg.max_events_burst)
+        refusals = Refusals()
+        activity = Activity(loop.time())
+        watchdog = asyncio.create_task(self._watch(call, slot, activity), name=f"slot{slot.index}-watchdog")
+        ctx = slot.ctx
+        assert ctx is not None
+        call.hear = functools.partial(slot.dispatch.media_audio, ctx, HEARD_FORMAT)
+        try:
+            while True:
+                inbox = asyncio.ensure_future(call.inbox.get())
+                done, _ = await asyncio.wait((inbox, watchdog), return_when=asyncio.FIRST_COMPLETED)
+                if inbox not in done:
+                    inbox.cancel()
+                    break
+                message = inbox.result()
+                if message is None:
+                    return call.why
+                if await self._one_message(slot, message, loop.time(), activity, budget, refusals):
+                    return "flood"
+        finally:
+            call.hear = None
+            watchdog.cancel()
+            await asyncio.wait((watchdog,))
+        return watchdog.result()
 
     async def _receive_loop(self, ws: ServerConnection, slot: Slot) -> str | None:
         """Feed the client's frames to its slot until the socket closes or a limit ends the session.
@@ -247,7 +345,7 @@ class Connections:
             )
         )
 
-    async def _watch(self, ws: ServerConnection, slot: Slot, activity: Activity) -> str:
+    async def _watch(self, ws: Channel, slot: Slot, activity: Activity) -> str:
         """Sleep until the connection's next deadline; end the session when one has passed."""
         cfg = self.config
         loop = asyncio.get_running_loop()
@@ -273,6 +371,14 @@ class Connections:
                 )
                 await slot.end_with_error(ProtocolError("session_expired", text, type="invalid_request_error"), 1001)
                 return "expired" if expired else "idle"
+
+
+class Refusal(NamedTuple):
+    """Why a new session gets no slot: an error code and text, and the WebSocket close code."""
+
+    code: str
+    text: str
+    close_code: int
 
 
 class Activity:

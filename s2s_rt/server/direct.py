@@ -26,10 +26,13 @@ import asyncio
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import ClassVar
 
 from websockets.asyncio.server import ServerConnection
 from websockets.frames import Frame, Opcode
-from websockets.protocol import Event
+from websockets.protocol import Event, State
+
+from s2s_rt.server import posts
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +58,24 @@ class DirectConnection(ServerConnection):
             :meth:`handling`), so that nothing overtakes it.
     """
 
+    #: Answers the requests with bodies (POST, OPTIONS) that arrive on the port (set by :meth:`answering`).
+    answer_post: posts.Answer | None = None
+    #: The tasks answering them, until they end.
+    post_tasks: ClassVar[set[asyncio.Task[None]]] = set()
+    #: What a session's audio travels on besides its events (a WebSocket: nothing; see the Channel protocol).
+    media = None
+
+    @classmethod
+    def answering(cls, answer: posts.Answer) -> type[DirectConnection]:
+        """This class, answering POST and OPTIONS requests with ``answer`` (one server's connections)."""
+        return type(cls.__name__, (cls,), {"answer_post": staticmethod(answer), "post_tasks": set()})
+
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        #: The first bytes, until they tell whether h11 or the WebSocket library reads this connection.
+        self._first: bytes | None = b""
+        #: This connection's request with a body, when it is one.
+        self._post: posts.Exchange | None = None
         self.direct: Callable[[bytes | bytearray | memoryview], bool] | None = None
         self.busy = False
         #: Frames parsed in the current feed (counted by process_event).
@@ -88,7 +107,32 @@ class DirectConnection(ServerConnection):
         """Called when an event of this connection was refused (rate limit): its next frames wait a while."""
         self._refusing = True
 
+    @property
+    def is_open(self) -> bool:
+        return self.state is State.OPEN
+
+    def abort(self) -> None:
+        """Drop the TCP connection at once."""
+        self.transport.abort()
+
     def data_received(self, data: bytes) -> None:
+        if self._post is not None:
+            self._post.feed(data)
+            return
+        if self._first is not None:
+            # A request with a body is not a handshake: h11 reads it (see s2s_rt.server.posts).
+            first = self._first + data
+            verdict = posts.is_post(first) if self.answer_post is not None else False
+            if verdict is None:
+                self._first = first
+                return
+            self._first = None
+            if verdict:
+                assert self.answer_post is not None
+                self._post = posts.Exchange(self.transport, self.answer_post, self.post_tasks)
+                self._post.feed(first)
+                return
+            data = first
         if self._rest is not None:
             # Reading was paused while bytes wait; whatever still came goes after them, in order.
             self._rest = self._rest[self._at :] + data
@@ -137,7 +181,11 @@ class DirectConnection(ServerConnection):
         elif self._later is None:
             self._feed_later()
 
-    def eof_received(self) -> None:
+    def eof_received(self) -> bool | None:
+        if self._post is not None:
+            # A client may half-close after its body: the transport stays open for the answer.
+            self._post.eof()
+            return True
         # Reading is paused while bytes wait, so this should not happen then; if it does, they come first.
         if self._rest is not None:
             if self._later is not None:
@@ -145,7 +193,7 @@ class DirectConnection(ServerConnection):
                 self._later = None
             rest, self._rest = self._rest[self._at :], None
             super().data_received(rest)
-        super().eof_received()
+        return super().eof_received()
 
     def connection_lost(self, exc: Exception | None) -> None:
         # The connection is gone: what it had sent and is not parsed yet is dropped.

@@ -19,24 +19,34 @@ from websockets.typing import Subprotocol
 
 from s2s_rt.config import Config
 from s2s_rt.metrics import Metrics
+from s2s_rt.server.secrets import PREFIX as SECRET_PREFIX
+from s2s_rt.server.secrets import ClientSecrets
 
 REALTIME_PATHS = ("/v1/realtime", "/realtime")
 BETA_SUBPROTOCOL = "openai-beta.realtime-v1"
 KEY_SUBPROTOCOL = "openai-insecure-api-key."
 
 
-def check(config: Config, metrics: Metrics, request: Request, shutting: bool) -> Response | None:
-    """A handshake on a session path: the refusal to send, or None to let it open.
+def check(
+    config: Config, metrics: Metrics, request: Request, shutting: bool, secrets: ClientSecrets
+) -> Response | None:
+    """A request that opens a session (a handshake, or a call's offer): the refusal to send, or None.
 
     Args:
         shutting: the server is closing or draining (no new sessions).
+        secrets: the client secrets minted; a live one opens a session as a key does.
     """
     if shutting:
         metrics.rejections.inc(reason="draining")
         return plain(HTTPStatus.SERVICE_UNAVAILABLE, "draining: no new sessions\n")
-    if not authorized(config.api_keys, request):
+    if not opens_sessions(config.api_keys, secrets, request):
         metrics.rejections.inc(reason="unauthorized")
         return unauthorized()
+    return check_origin(config, metrics, request)
+
+
+def check_origin(config: Config, metrics: Metrics, request: Request) -> Response | None:
+    """The refusal of a browser from an origin not allowed, or None."""
     origins = request.headers.get_all("Origin")
     if len(origins) > 1:
         metrics.rejections.inc(reason="origin")
@@ -48,15 +58,8 @@ def check(config: Config, metrics: Metrics, request: Request, shutting: bool) ->
     return None
 
 
-def authorized(keys: Sequence[str], request: Request, *, subprotocol: bool = True) -> bool:
-    """Whether the request carries one of ``keys`` (always, when there are none).
-
-    Args:
-        subprotocol: also accept the browser's ``openai-insecure-api-key.KEY`` subprotocol
-            (handshakes only; plain HTTP requests must send ``Authorization``).
-    """
-    if not keys:
-        return True
+def offered_keys(request: Request, *, subprotocol: bool = True) -> list[str]:
+    """The keys a request presents: ``Authorization: Bearer``, and (handshakes) the browser's subprotocol."""
     offered: list[str] = []
     for auth in request.headers.get_all("Authorization"):
         if auth[:7].lower() == "bearer ":
@@ -66,12 +69,37 @@ def authorized(keys: Sequence[str], request: Request, *, subprotocol: bool = Tru
             proto = proto.strip()
             if proto.startswith(KEY_SUBPROTOCOL):
                 offered.append(proto[len(KEY_SUBPROTOCOL) :])
+    return offered
+
+
+def authorized(keys: Sequence[str], request: Request, *, subprotocol: bool = True) -> bool:
+    """Whether the request carries one of ``keys`` (always, when there are none): an API key, not a client secret.
+
+    Args:
+        subprotocol: also accept the browser's ``openai-insecure-api-key.KEY`` subprotocol
+            (handshakes only; plain HTTP requests must send ``Authorization``).
+    """
+    if not keys:
+        return True
     # Compare every offered key with every configured one, in constant time.
     ok = False
-    for candidate in offered:
+    for candidate in offered_keys(request, subprotocol=subprotocol):
         for key in keys:
             ok |= hmac.compare_digest(candidate.encode(), key.encode())
     return ok
+
+
+def opens_sessions(keys: Sequence[str], secrets: ClientSecrets, request: Request, *, subprotocol: bool = True) -> bool:
+    """Whether the request may open a session: an API key, or a live client secret.
+
+    A client secret offered is checked even without API keys: an expired
+    or unknown one is refused rather than ignored (with its configuration).
+    """
+    offered = offered_keys(request, subprotocol=subprotocol)
+    ek = [o for o in offered if o.startswith(SECRET_PREFIX)]
+    if ek:
+        return any(secrets.find(o) is not None for o in ek)
+    return authorized(keys, request, subprotocol=subprotocol)
 
 
 def unauthorized() -> Response:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
 from http import HTTPStatus
 from pathlib import Path
+from typing import Any
 
 from websockets.asyncio.server import ServerConnection
 from websockets.datastructures import Headers
@@ -13,12 +15,31 @@ from websockets.http11 import Request, Response
 from s2s_rt.config import Config
 from s2s_rt.engines.base import Stack
 from s2s_rt.metrics import Metrics
-from s2s_rt.server.handshake import REALTIME_PATHS, authorized, check, is_loopback, plain, unauthorized
+from s2s_rt.protocol.errors import ProtocolError
+from s2s_rt.protocol.server_events import GA
+from s2s_rt.server.calls import CALLS_PATH, Calls, api_error
+from s2s_rt.server.connection import Connections
+from s2s_rt.server.handshake import (
+    REALTIME_PATHS,
+    authorized,
+    check,
+    check_origin,
+    client_host,
+    is_loopback,
+    plain,
+    unauthorized,
+)
 from s2s_rt.server.pool import Pool
+from s2s_rt.server.posts import Peer
+from s2s_rt.server.secrets import ClientSecret, ClientSecrets
 from s2s_rt.server.state import Serving
 
 #: The header operator requests (``POST /drain``, ``POST /undrain``) must carry, with the value 1.
 OPERATOR_HEADER = "S2S-Operator"
+SECRETS_PATH = "/v1/realtime/client_secrets"
+#: Where the page at ``/`` gets a client secret when the operator enables it (``--page-secrets``).
+PAGE_SECRET_PATH = "/page/client_secret"
+_HANGUP = re.compile(r"^/v1/realtime/calls/([A-Za-z0-9_-]{1,64})/hangup$")
 
 
 class Routes:
@@ -29,12 +50,24 @@ class Routes:
         pool: the slots (``/readyz``, ``/v1/pool``).
     """
 
-    def __init__(self, config: Config, metrics: Metrics, server: Serving, pool: Pool, stack: Stack) -> None:
+    def __init__(
+        self,
+        config: Config,
+        metrics: Metrics,
+        server: Serving,
+        pool: Pool,
+        stack: Stack,
+        connections: Connections,
+        calls: Calls,
+    ) -> None:
         self.config = config
         self.metrics = metrics
         self.server = server
         self.pool = pool
         self.stack = stack
+        self.connections = connections
+        self.secrets: ClientSecrets = connections.secrets
+        self.calls = calls
 
     def process_request(self, connection: ServerConnection, request: Request) -> Response | None:
         response = self._route(connection, request)
@@ -48,7 +81,7 @@ class Routes:
         if len(request.headers.get_all("Authorization")) > 1:
             return plain(HTTPStatus.BAD_REQUEST, "more than one Authorization header\n")
         if path in REALTIME_PATHS:
-            return check(self.config, self.metrics, request, self.server.closing or self.server.draining)
+            return check(self.config, self.metrics, request, self.server.closing or self.server.draining, self.secrets)
         if path in ("/drain", "/undrain"):
             return self._operator(connection, request, path)
         if path == "/healthz":
@@ -74,6 +107,89 @@ class Routes:
         if path.startswith("/static/"):
             return _static(path[len("/static/") :])
         return plain(HTTPStatus.NOT_FOUND, f"not found: {path}\n")
+
+    # --- requests with bodies (read by h11: s2s_rt.server.posts) ------------------------
+
+    async def answer_post(self, peer: Peer, request: Request, body: bytes) -> Response:
+        """A POST (or a CORS preflight) on the session port."""
+        path = request.path.split("?", 1)[0].rstrip("/") or "/"
+        if request.method == "OPTIONS":
+            return self._cors(request, self._preflight(request))
+        refused = check_origin(self.config, self.metrics, request)
+        if refused is not None:
+            return refused
+        if len(request.headers.get_all("Authorization")) > 1:
+            response = plain(HTTPStatus.BAD_REQUEST, "more than one Authorization header\n")
+        elif path == SECRETS_PATH:
+            response = self._mint(request, body, authorized(self.config.api_keys, request, subprotocol=False))
+        elif path == PAGE_SECRET_PATH and self.config.page_secrets:
+            # The page's own secret: no key (the operator chose to let the page get one), no configuration.
+            response = self._mint(request, b"", True)
+        elif path == CALLS_PATH:
+            shutting = self.server.closing or self.server.draining
+            response = check(self.config, self.metrics, request, shutting, self.secrets) or await self.calls.create(
+                request, body, self._client(peer, request)
+            )
+        elif (match := _HANGUP.match(path)) is not None:
+            operator = bool(self.config.api_keys) and authorized(self.config.api_keys, request, subprotocol=False)
+            response = self.calls.hangup(match.group(1), request, operator or not self.config.api_keys)
+        else:
+            response = self._route(peer, request)  # type: ignore[arg-type]
+        return self._cors(request, response)
+
+    def _client(self, peer: Peer, request: Request) -> str:
+        return client_host(peer, self.connections.trusted)  # type: ignore[arg-type]
+
+    def _mint(self, request: Request, body: bytes, allowed: bool) -> Response:
+        """``POST /v1/realtime/client_secrets``: an API key mints a secret (a secret mints nothing)."""
+        if not allowed:
+            return api_error(HTTPStatus.UNAUTHORIZED, "invalid_api_key", "Minting a client secret needs an API key")
+        try:
+            parsed: Any = json.loads(body) if body.strip() else None
+        except ValueError:
+            return api_error(HTTPStatus.BAD_REQUEST, "invalid_json", "The body is not JSON")
+        try:
+            secret = self.secrets.mint(parsed)
+            session = self._session_of(secret)
+        except ProtocolError as exc:
+            status = HTTPStatus.TOO_MANY_REQUESTS if exc.code == "rate_limit_exceeded" else HTTPStatus.BAD_REQUEST
+            return api_error(status, exc.code, exc.message, exc.param)
+        self.metrics.client_secrets.inc()
+        answer = {"value": secret.value, "expires_at": secret.expires_at, "session": session}
+        return plain(HTTPStatus.OK, json.dumps(answer), "application/json")
+
+    def _session_of(self, secret: ClientSecret) -> dict[str, Any]:
+        """The session a secret opens, as its sessions will start (checked as a ``session.update`` would be)."""
+        session = self.connections.new_session(GA, transcription=secret.transcription, model=None)
+        if secret.update is not None:
+            try:
+                session.handle(secret.update)
+            except ProtocolError:
+                self.secrets.forget(secret.value)
+                raise
+        rendered = session.render()
+        rendered.pop("id", None)  # each session it opens gets its own
+        rendered["client_secret"] = {"value": secret.value, "expires_at": secret.expires_at}
+        rendered["expires_at"] = secret.expires_at
+        return rendered
+
+    def _preflight(self, request: Request) -> Response:
+        response = Response(HTTPStatus.NO_CONTENT.value, HTTPStatus.NO_CONTENT.phrase, Headers(), b"")
+        response.headers["Access-Control-Allow-Methods"] = "POST, GET, OPTIONS"
+        # Whatever headers the page's client sends (the SDKs add their own); keys travel in them, not in cookies.
+        asked = request.headers.get("Access-Control-Request-Headers", "Authorization, Content-Type")
+        response.headers["Access-Control-Allow-Headers"] = asked
+        response.headers["Access-Control-Max-Age"] = "600"
+        return response
+
+    def _cors(self, request: Request, response: Response) -> Response:
+        """Let pages of the allowed origins (any, when none are set) read the answer."""
+        origin = request.headers.get("Origin")
+        if origin is not None and (not self.config.allowed_origins or origin in self.config.allowed_origins):
+            response.headers["Access-Control-Allow-Origin"] = origin
+            response.headers["Access-Control-Expose-Headers"] = "Location"
+            response.headers["Vary"] = "Origin"
+        return response
 
     def _operator(self, connection: ServerConnection, request: Request, path: str) -> Response:
         """``POST /drain`` and ``POST /undrain``, for operators only.

@@ -30,11 +30,13 @@ from s2s_rt.engines.base import KeepsPrefixes, Stack
 from s2s_rt.inference import StagePool
 from s2s_rt.listening.clock import ListeningClock
 from s2s_rt.metrics import Metrics
+from s2s_rt.server.calls import Calls
 from s2s_rt.server.connection import Connections, mib
 from s2s_rt.server.direct import DirectConnection
 from s2s_rt.server.handshake import select_subprotocol
 from s2s_rt.server.http import Routes
 from s2s_rt.server.pool import Pool
+from s2s_rt.server.secrets import ClientSecrets
 from s2s_rt.server.stack import load_stack
 from s2s_rt.slot import Slot
 from s2s_rt.supervise import supervise
@@ -62,6 +64,8 @@ class Server:
             self._slot_states, self._overdue_calls, self._held_bytes, self._llm_prefixes, self._listening
         )
         self.pool: Pool | None = None
+        #: The WebRTC calls in progress (``POST /v1/realtime/calls``).
+        self.calls: Calls | None = None
         self.pools: dict[str, StagePool] = {}
         self.clock: ListeningClock | None = None
         self._runner: asyncio.Task[None] | None = None
@@ -184,8 +188,11 @@ class Server:
         for slot in slots:
             slot.log_content = cfg.log_content
         self.pool = Pool(slots)
-        connections = Connections(cfg, self.metrics, self, self.pool, self.stack)
-        routes = Routes(cfg, self.metrics, self, self.pool, self.stack)
+        connections = Connections(
+            cfg, self.metrics, self, self.pool, self.stack, ClientSecrets(cfg.max_client_secret_s)
+        )
+        calls = self.calls = Calls(cfg, connections)
+        routes = Routes(cfg, self.metrics, self, self.pool, self.stack, connections, calls)
         tasks: list[asyncio.Task[Any]] = []
         try:
             cost = await clock.calibrate()
@@ -220,7 +227,7 @@ class Server:
                     ping_interval=cfg.ping_interval_s,
                     ping_timeout=cfg.ping_timeout_s,
                     server_header="s2s-rt",
-                    create_connection=DirectConnection,
+                    create_connection=DirectConnection.answering(routes.answer_post),
                 ) as ws_server:
                     self.port = ws_server.sockets[0].getsockname()[1]
                     log.info(
@@ -234,7 +241,7 @@ class Server:
                     await self._stop.wait()
                     await self._drain_for_shutdown()
                     ws_server.close()
-                    await ws_server.wait_closed()
+                    await asyncio.gather(ws_server.wait_closed(), calls.close())
                 for task in tasks:
                     task.cancel()
         finally:

@@ -8,8 +8,6 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from websockets.protocol import State
-
 from s2s_rt.slot import Slot, SlotEvent, SlotState
 
 
@@ -84,7 +82,7 @@ class Pool:
             1
             for s in self.slots
             if s.state is SlotState.DRAINING
-            or (s.state is SlotState.ACTIVE and s.ctx is not None and s.ctx.ws.state is not State.OPEN)
+            or (s.state is SlotState.ACTIVE and s.ctx is not None and not s.ctx.channel.is_open)
         )
 
     def active(self) -> int:

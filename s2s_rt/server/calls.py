@@ -1,0 +1,185 @@
+"""The calls of the server: ``POST /v1/realtime/calls`` and ``/v1/realtime/calls/{id}/hangup``.
+
+A call takes its slot from the same pool, through the same admission, as a
+WebSocket (:meth:`~s2s_rt.server.connection.Connections.admit`), and its
+session is served by the same code (:meth:`~s2s_rt.server.connection.Connections.serve`);
+:mod:`s2s_rt.server.webrtc` carries it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.parser
+import email.policy
+import json
+import logging
+from http import HTTPStatus
+from typing import Any
+
+from websockets.datastructures import Headers
+from websockets.http11 import Request, Response
+
+from s2s_rt.config import Config
+from s2s_rt.protocol.errors import ProtocolError
+from s2s_rt.protocol.server_events import BETA, GA, new_id
+from s2s_rt.server.connection import Connections, Refusal
+from s2s_rt.server.handshake import asked_model, offered_keys, wants_beta, wants_transcription
+from s2s_rt.server.secrets import session_update
+from s2s_rt.server.webrtc import Call, ice_configuration
+
+log = logging.getLogger(__name__)
+
+CALLS_PATH = "/v1/realtime/calls"
+
+
+def api_error(status: HTTPStatus, code: str, message: str, param: str | None = None) -> Response:
+    """An error as OpenAI's HTTP API answers one (``{"error": {...}}``), which the SDK raises as its own."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    body = json.dumps({"error": {"message": message, "type": kind, "code": code, "param": param}}).encode()
+    headers = Headers(
+        [("Content-Type", "application/json"), ("Content-Length", str(len(body))), ("Cache-Control", "no-store")]
+    )
+    return Response(status.value, status.phrase, headers, body)
+
+
+def offer_of(request: Request, body: bytes) -> tuple[str, Any]:
+    """The SDP offer and the session configuration (or None) of a ``POST /v1/realtime/calls``.
+
+    Either ``application/sdp`` (the offer is the body) or ``multipart/form-data``
+    with ``sdp`` and an optional ``session`` (JSON), as the official SDK sends.
+
+    Raises:
+        ProtocolError: another content type, a part missing, or JSON that is not.
+    """
+    kind = request.headers.get("Content-Type", "")
+    base = kind.split(";", 1)[0].strip().lower()
+    if base in ("application/sdp", "text/plain"):
+        return body.decode("utf-8", "replace"), None
+    if base != "multipart/form-data":
+        raise ProtocolError(
+            "invalid_request_error",
+            f"Send the offer as application/sdp or multipart/form-data, not {kind or 'nothing'}",
+        )
+    # The standard library's MIME parser reads the form: it needs the Content-Type in front of the body.
+    message = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(
+        b"Content-Type: " + kind.encode("latin-1") + b"\r\n\r\n" + body
+    )
+    fields: dict[str, bytes] = {}
+    for part in message.iter_parts():
+        name = part.get_param("name", header="content-disposition")
+        if isinstance(name, str):
+            payload = part.get_payload(decode=True)
+            fields[name] = payload if isinstance(payload, bytes) else b""
+    if "sdp" not in fields:
+        raise ProtocolError("missing_required_parameter", "The form has no sdp field", param="sdp")
+    session: Any = None
+    if fields.get("session"):
+        try:
+            session = json.loads(fields["session"])
+        except ValueError:
+            raise ProtocolError("invalid_json", "The session field is not JSON", param="session") from None
+    return fields["sdp"].decode("utf-8", "replace"), session
+
+
+class Calls:
+    """Every WebRTC call of the server, from its offer to its hangup.
+
+    Args:
+        connections: admission, sessions and their serving (shared with the WebSocket).
+    """
+
+    def __init__(self, config: Config, connections: Connections) -> None:
+        self.config = config
+        self.connections = connections
+        self.configuration = ice_configuration(config.ice_servers)
+        self.calls: dict[str, Call] = {}
+        #: Each call's serving task, until its session has ended and its peer connection closed.
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    async def create(self, request: Request, body: bytes, client: str) -> Response:
+        """Answer an offer: a slot claimed, the session made, the SDP answer (201, ``Location``)."""
+        connections = self.connections
+        try:
+            offer, config = offer_of(request, body)
+            update, transcription = session_update(config, "session")
+        except ProtocolError as exc:
+            return api_error(HTTPStatus.BAD_REQUEST, exc.code, exc.message, exc.param)
+        secret = connections.secret_of(request)
+        slot = await connections.admit()
+        if isinstance(slot, Refusal):
+            connections.metrics.rejections.inc(reason=slot.code)
+            return api_error(HTTPStatus.SERVICE_UNAVAILABLE, slot.code, slot.text)
+        call = Call(new_id("rtc"), self.configuration)
+        call.secret = secret.value if secret is not None else None
+        try:
+            session = connections.new_session(
+                BETA if wants_beta(request) else GA,
+                transcription=wants_transcription(request) or transcription or bool(secret and secret.transcription),
+                model=asked_model(request),
+            )
+            for carried in (secret.update if secret else None, update):
+                if carried is not None:
+                    session.handle(carried)
+            answer = await call.answer(offer)
+        except Exception as exc:
+            call.end("refused")
+            await slot.end_session()
+            await call.wait_closed()
+            if isinstance(exc, ProtocolError):
+                return api_error(HTTPStatus.BAD_REQUEST, exc.code, exc.message, exc.param)
+            if isinstance(exc, ValueError):
+                return api_error(HTTPStatus.BAD_REQUEST, "invalid_offer", f"The SDP offer cannot be answered: {exc}")
+            raise
+        self.calls[call.id] = call
+        task = asyncio.get_running_loop().create_task(self._serve(call, slot, session, client), name=call.id)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        data = answer.encode()
+        headers = Headers(
+            [
+                ("Content-Type", "application/sdp"),
+                ("Content-Length", str(len(data))),
+                ("Location", f"{CALLS_PATH}/{call.id}"),
+                ("Cache-Control", "no-store"),
+            ]
+        )
+        return Response(HTTPStatus.CREATED.value, HTTPStatus.CREATED.phrase, headers, data)
+
+    async def _serve(self, call: Call, slot: Any, session: Any, client: str) -> None:
+        timeout = self.config.call_timeout_s
+        try:
+            opened = asyncio.ensure_future(call.opened.wait())
+            gone = asyncio.ensure_future(call.gone.wait())
+            await asyncio.wait((opened, gone), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            opened.cancel()
+            gone.cancel()
+            if not call.opened.is_set():
+                why = call.why or f"its data channel did not open within {timeout:g} s (ICE did not complete)"
+                call.end(why)
+                await slot.end_session()
+                log.info("call %s from %s ended before its session began: %s", call.id, client, why)
+                return
+            await self.connections.serve(slot, call, session, client, lambda: self.connections.receive_call(call, slot))
+        except Exception:
+            log.exception("call %s failed", call.id)
+        finally:
+            call.end(call.why or "session ended")
+            self.calls.pop(call.id, None)
+            await call.wait_closed()
+
+    def hangup(self, call_id: str, request: Request, operator: bool) -> Response:
+        """``POST /v1/realtime/calls/{id}/hangup``: by an API key, or by the client secret that opened the call."""
+        call = self.calls.get(call_id)
+        if call is None:
+            return api_error(HTTPStatus.NOT_FOUND, "call_not_found", f"No call {call_id!r} is in progress")
+        if not operator and (call.secret is None or call.secret not in offered_keys(request, subprotocol=False)):
+            return api_error(HTTPStatus.UNAUTHORIZED, "invalid_api_key", "Hang up with an API key or the call's secret")
+        call.end("hung up")
+        return Response(HTTPStatus.OK.value, HTTPStatus.OK.phrase, Headers([("Content-Length", "0")]), b"")
+
+    async def close(self) -> None:
+        """End every call (shutdown) and wait until their sessions have ended."""
+        for call in list(self.calls.values()):
+            call.end("the server is shutting down")
+        if self.tasks:
+            await asyncio.wait(list(self.tasks), timeout=self.config.drain_deadline_s + 2.0)

@@ -1,0 +1,373 @@
+"""WebRTC calls: ``POST /v1/realtime/calls`` (an SDP offer in, the answer out), through aiortc.
+
+A call is one session, served by the same code as a WebSocket's; only what
+carries it differs. Its JSON events travel on the data channel named
+``oai-events`` (:class:`Call` is the session's channel, as a WebSocket
+connection is), its microphone arrives as Opus on the media track, decoded
+and handed to the listening clock as 48 kHz PCM, and its answers' audio
+leaves on an outgoing track (:class:`Playback`) instead of in
+``response.output_audio.delta`` events. Because the server plays the audio
+itself, it knows what was heard: it sends ``output_audio_buffer.started`` /
+``stopped`` / ``cleared`` as OpenAI does, and on barge-in it truncates the
+assistant's item at the audio actually played (the client sends no
+``conversation.item.truncate``).
+
+A call holds its slot from the offer on. If its data channel does not open
+within ``call_timeout_s`` (ICE never completed, or the client never opened
+it), or the data channel or the peer connection closes, or the client
+posts ``/v1/realtime/calls/{id}/hangup``, its session ends and the slot goes
+back, as when a WebSocket closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import fractions
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCSessionDescription
+from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
+from av import AudioFrame
+from websockets.exceptions import ConnectionClosed
+
+from s2s_rt.audio import AudioFormat, resample
+
+log = logging.getLogger(__name__)
+
+#: What the outgoing track plays: 24 kHz mono PCM16 in 20 ms frames (aiortc's Opus encoder resamples to 48 kHz).
+PLAY_RATE = 24_000
+FRAME_SAMPLES = PLAY_RATE // 50
+#: What the media track's Opus decodes to, as the listening clock takes it: mono PCM16 at 48 kHz.
+HEARD_FORMAT = AudioFormat("audio/pcm", 48_000)
+#: The data channel's events wait while more than this is buffered for the client (its ``bufferedAmount``).
+CHANNEL_HIGH_WATER = 1 << 20
+EVENTS_LABEL = "oai-events"
+
+
+class CallClosed(ConnectionClosed):
+    """The call's data channel or peer connection is gone (a kind of closed connection)."""
+
+    def __init__(self) -> None:
+        super().__init__(None, None)
+
+    def __str__(self) -> str:
+        return "the call ended"
+
+
+@dataclass(slots=True)
+class _Chunk:
+    response_id: str
+    item_id: str
+    samples: npt.NDArray[np.int16]
+    at: int = 0
+
+
+class Playback(MediaStreamTrack):
+    """A call's outgoing audio: what the session's answers say, played in real time, and what was heard.
+
+    ``notify(kind, response_id)`` is told ``started`` when a response's
+    audio begins to play and ``stopped`` when all of it has played; it runs
+    on the event loop, from the track's own pacing.
+    """
+
+    kind = "audio"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._queue: collections.deque[_Chunk] = collections.deque()
+        self._start: float | None = None
+        self._pts = 0
+        #: The response whose audio is playing (between ``started`` and ``stopped``/``cleared``).
+        self.playing: str | None = None
+        #: The item whose audio played last, and how many ms of it have played.
+        self.item_id: str | None = None
+        self.played_ms: dict[str, float] = {}
+        #: Responses whose audio has all been queued (it has ``stopped`` once it has all played).
+        self._finished: set[str] = set()
+        #: Responses whose remaining audio was cleared: anything of theirs that still comes is dropped.
+        self._cleared: set[str] = set()
+        self.notify: Callable[[str, str], None] = lambda kind, response_id: None
+
+    def play(self, response_id: str, item_id: str, data: bytes, fmt: AudioFormat) -> None:
+        """Queue one audio delta of a response, in the session's output format."""
+        if response_id in self._cleared or not data:
+            return
+        if fmt.type == "audio/pcm" and fmt.rate == PLAY_RATE:
+            samples = np.frombuffer(data, dtype="<i2").copy()
+        else:
+            floats = resample(fmt.decode(data), fmt.rate, PLAY_RATE)
+            samples = np.clip(np.round(floats * 32767.0), -32768, 32767).astype(np.int16)
+        self._queue.append(_Chunk(response_id, item_id, samples))
+
+    def finish(self, response_id: str) -> None:
+        """A response's audio is all queued."""
+        self._finished.add(response_id)
+        if self.playing is None and not any(c.response_id == response_id for c in self._queue):
+            self._finished.discard(response_id)
+
+    @property
+    def queued_ms(self) -> float:
+        return 1000 * sum(len(c.samples) - c.at for c in self._queue) / PLAY_RATE
+
+    def clear(self) -> tuple[str | None, str | None, float]:
+        """Drop the audio not yet played.
+
+        Returns:
+            The response that was playing (None: nothing was), the item whose audio played last and how
+            many ms of it were played.
+        """
+        playing = self.playing
+        for chunk in self._queue:
+            self._cleared.add(chunk.response_id)
+        if playing is not None:
+            self._cleared.add(playing)
+        self._queue.clear()
+        self.playing = None
+        item = self.item_id
+        return playing, item, self.played_ms.get(item, 0.0) if item is not None else 0.0
+
+    async def recv(self) -> AudioFrame:
+        if self.readyState != "live":
+            raise MediaStreamError
+        if self._start is None:
+            self._start = time.monotonic()
+        else:
+            self._pts += FRAME_SAMPLES
+            wait = self._start + self._pts / PLAY_RATE - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            elif wait < -0.2:
+                # The loop fell behind (a stall): start counting again rather than send a burst.
+                self._start, self._pts = time.monotonic(), 0
+        out = np.zeros(FRAME_SAMPLES, dtype=np.int16)
+        filled = 0
+        queue = self._queue
+        while filled < FRAME_SAMPLES and queue:
+            chunk = queue[0]
+            n = min(FRAME_SAMPLES - filled, len(chunk.samples) - chunk.at)
+            out[filled : filled + n] = chunk.samples[chunk.at : chunk.at + n]
+            chunk.at += n
+            filled += n
+            if self.playing != chunk.response_id:
+                if self.playing is not None:
+                    self._stopped(self.playing)
+                self.playing = chunk.response_id
+                self.notify("started", chunk.response_id)
+            self.item_id = chunk.item_id
+            self.played_ms[chunk.item_id] = self.played_ms.get(chunk.item_id, 0.0) + 1000 * n / PLAY_RATE
+            if chunk.at >= len(chunk.samples):
+                queue.popleft()
+        if self.playing is not None and not queue and self.playing in self._finished:
+            self._stopped(self.playing)
+        frame = AudioFrame.from_ndarray(out.reshape(1, -1), format="s16", layout="mono")
+        frame.sample_rate = PLAY_RATE
+        frame.pts = self._pts
+        frame.time_base = fractions.Fraction(1, PLAY_RATE)
+        return frame
+
+    def _stopped(self, response_id: str) -> None:
+        self._finished.discard(response_id)
+        self.playing = None
+        self.notify("stopped", response_id)
+
+
+class Call:
+    """One WebRTC call: its peer connection, its ``oai-events`` channel, its audio both ways.
+
+    It is the session's channel (what the send loop writes to), as a
+    WebSocket connection is: :meth:`send`, :meth:`close`, :meth:`abort`,
+    :attr:`is_open`, and :attr:`media`, the audio it plays.
+
+    Args:
+        call_id: the id in the answer's ``Location`` (``rtc_…``).
+        configuration: STUN/TURN servers.
+    """
+
+    def __init__(self, call_id: str, configuration: RTCConfiguration) -> None:
+        self.id = call_id
+        self.pc = RTCPeerConnection(configuration)
+        self.media = Playback()
+        self.channel: Any = None
+        self.inbox: asyncio.Queue[str | bytes | None] = asyncio.Queue()
+        #: Set when the events channel opens (ICE and DTLS are done).
+        self.opened = asyncio.Event()
+        #: Set when the call is over, whoever ended it; ``why`` says why.
+        self.gone = asyncio.Event()
+        self.why = ""
+        self.close_code: int | None = None
+        #: Takes each 20 ms of the caller's audio, as 48 kHz mono PCM16 (set while a session is attached).
+        self.hear: Callable[[bytes], None] | None = None
+        #: The secret that opened it (it may hang up with that), if one did.
+        self.secret: str | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.created = time.monotonic()
+        pc = self.pc
+        pc.on("datachannel", self._datachannel)
+        pc.on("track", self._track)
+        pc.on("connectionstatechange", self._state_changed)
+
+    # --- the channel the session writes to -------------------------------------
+
+    @property
+    def is_open(self) -> bool:
+        return not self.gone.is_set()
+
+    async def send(self, data: bytes | str, text: bool = True) -> None:
+        channel = self.channel
+        if self.gone.is_set() or channel is None or channel.readyState != "open":
+            raise CallClosed
+        channel.send(data.decode() if isinstance(data, bytes) else data)
+        if channel.bufferedAmount > CHANNEL_HIGH_WATER:
+            await self._drained(channel)
+
+    async def close(self, code: int = 1000, reason: str = "") -> None:
+        self.close_code = code
+        self.end(reason or "closed by the server")
+        await self._closed()
+
+    def abort(self) -> None:
+        self.end("aborted by the server")
+
+    # --- lifecycle --------------------------------------------------------------
+
+    async def answer(self, offer_sdp: str) -> str:
+        """The SDP answer to ``offer_sdp``, once this side's candidates are gathered.
+
+        Raises:
+            ValueError: the offer is not one this server can answer (no audio, or not SDP).
+        """
+        if "m=audio" not in offer_sdp:
+            raise ValueError("the offer has no audio (m=audio) section")
+        await self.pc.setRemoteDescription(RTCSessionDescription(offer_sdp, "offer"))
+        audio = [t for t in self.pc.getTransceivers() if t.kind == "audio"]
+        if not audio:
+            raise ValueError("the offer has no audio track")
+        audio[0].sender.replaceTrack(self.media)
+        audio[0].direction = "sendrecv"
+        answer = await self.pc.createAnswer()
+        await self.pc.setLocalDescription(answer)
+        return str(self.pc.localDescription.sdp)
+
+    def end(self, why: str) -> None:
+        """The call is over: nothing more is sent or heard; the peer connection closes in the background."""
+        if self.gone.is_set():
+            return
+        self.why = why
+        self.gone.set()
+        self.inbox.put_nowait(None)
+        self.hear = None
+        self._spawn(self.pc.close())
+
+    async def _closed(self) -> None:
+        tasks = [t for t in self._tasks if t is not asyncio.current_task()]
+        if tasks:
+            await asyncio.wait(tasks, timeout=2.0)
+
+    async def wait_closed(self) -> None:
+        """Until the peer connection has closed (after :meth:`end`)."""
+        await self._closed()
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro, name=f"call-{self.id}")
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("call %s: %r", self.id, task.exception())
+
+    # --- aiortc's callbacks --------------------------------------------------------
+
+    def _datachannel(self, channel: Any) -> None:
+        if channel.label != EVENTS_LABEL or self.channel is not None:
+            return  # other channels are not ours to read
+        self.channel = channel
+
+        def message(data: str | bytes) -> None:
+            if not self.gone.is_set():
+                self.inbox.put_nowait(data)
+
+        channel.on("message", message)
+        channel.on("close", lambda: self.end("data channel closed"))
+        if channel.readyState == "open":
+            self.opened.set()
+        else:
+            channel.on("open", self.opened.set)
+
+    def _track(self, track: MediaStreamTrack) -> None:
+        if track.kind == "audio":
+            self._spawn(self._listen(track))
+
+    def _state_changed(self) -> None:
+        if self.pc.connectionState in ("failed", "closed"):
+            self.end(f"peer connection {self.pc.connectionState}")
+
+    async def _listen(self, track: MediaStreamTrack) -> None:
+        """The caller's audio, decoded, in mono, to whoever hears the call now."""
+        while not self.gone.is_set():
+            try:
+                frame = await track.recv()
+            except MediaStreamError:
+                return
+            hear = self.hear
+            if hear is None:
+                continue
+            hear(mono_pcm16(frame))
+
+    async def _drained(self, channel: Any) -> None:
+        low = asyncio.Event()
+        channel.bufferedAmountLowThreshold = CHANNEL_HIGH_WATER // 2
+        channel.once("bufferedamountlow", low.set)
+        gone = asyncio.ensure_future(self.gone.wait())
+        try:
+            await asyncio.wait({asyncio.ensure_future(low.wait()), gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if self.gone.is_set():
+            raise CallClosed
+
+
+def mono_pcm16(frame: AudioFrame) -> bytes:
+    """A decoded frame as mono PCM16 at its rate (aiortc's Opus decoder gives packed stereo at 48 kHz)."""
+    pcm = frame.to_ndarray()
+    channels = len(frame.layout.channels)
+    if frame.format.is_planar:
+        samples = pcm.astype(np.int32).mean(axis=0) if pcm.shape[0] > 1 else pcm[0]
+    elif channels > 1:
+        samples = pcm.reshape(-1, channels).astype(np.int32).mean(axis=1)
+    else:
+        samples = pcm.reshape(-1)
+    if frame.sample_rate != HEARD_FORMAT.rate:
+        floats = resample(np.asarray(samples, dtype=np.float32) / 32768.0, frame.sample_rate, HEARD_FORMAT.rate)
+        samples = np.clip(np.round(floats * 32767.0), -32768, 32767)
+    return np.asarray(samples, dtype="<i2").tobytes()
+
+
+def ice_configuration(servers: list[str]) -> RTCConfiguration:
+    """aiortc's configuration from ``--ice-server`` values.
+
+    Each is a STUN or TURN URL (``stun:host:3478``, ``turn:host:3478?transport=tcp``,
+    ``turns:host:443``), with ``USERNAME:CREDENTIAL@`` in front for TURN.
+
+    Raises:
+        ValueError: a value that is not such a URL.
+    """
+    ice = []
+    for entry in servers:
+        username = credential = None
+        url = entry
+        if "@" in entry:
+            auth, url = entry.rsplit("@", 1)
+            username, _, credential = auth.partition(":")
+        if not url.startswith(("stun:", "turn:", "turns:")):
+            raise ValueError(f"ice server {entry!r}: expected stun:, turn: or turns: (with USER:PASS@ for TURN)")
+        ice.append(RTCIceServer(urls=url, username=username, credential=credential))
+    return RTCConfiguration(iceServers=ice)
