@@ -39,6 +39,7 @@ class CallClient:
         self.channel = self.pc.createDataChannel(EVENTS_LABEL)
         self.events: list[dict[str, Any]] = []
         self._inbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self._taken: set[int] = set()
         self.heard: list[tuple[float, bytes]] = []
         self.call_id: str | None = None
         self.opened = asyncio.Event()
@@ -110,15 +111,15 @@ class CallClient:
         return time.perf_counter() + self.mic.queued_ms / 1000
 
     async def next_event(self, kind: str | tuple[str, ...], timeout: float = 30.0) -> dict[str, Any]:
-        """The next event of ``kind`` (others before it are skipped; all stay in :attr:`events`)."""
+        """The first event of ``kind`` not returned before, whenever it came (all stay in :attr:`events`)."""
         kinds = (kind,) if isinstance(kind, str) else kind
         async with asyncio.timeout(timeout):
             while True:
-                event = await self._inbox.get()
-                if event["type"] in kinds:
-                    return event
-                if event["type"] == "error" and "error" in kinds:
-                    return event
+                for i in range(len(self.events)):
+                    if i not in self._taken and self.events[i]["type"] in kinds:
+                        self._taken.add(i)
+                        return self.events[i]
+                await self._inbox.get()
 
     def heard_between(self, start: float, end: float = float("inf")) -> np.ndarray:
         """What the answer's track carried between two ``perf_counter`` times, as int16 samples at 48 kHz."""

@@ -168,7 +168,6 @@ class Routes:
                 self.secrets.forget(secret.value)
                 raise
         rendered = session.render()
-        rendered.pop("id", None)  # each session it opens gets its own
         rendered["client_secret"] = {"value": secret.value, "expires_at": secret.expires_at}
         rendered["expires_at"] = secret.expires_at
         return rendered

@@ -137,9 +137,9 @@ class Exchange:
     def _reply(self, response: Response) -> None:
         """Answer at once (the request was refused before its body was read)."""
         self.done = True
-        self._write(response)
+        self._write(response, unread=True)
 
-    def _write(self, response: Response) -> None:
+    def _write(self, response: Response, unread: bool = False) -> None:
         if self.transport.is_closing():
             return
         headers = [(k, v) for k, v in response.headers.raw_items() if k.lower() not in ("content-length", "connection")]
@@ -152,6 +152,12 @@ class Exchange:
             # h11 is in an error state (the request was malformed): write the answer by its own rules.
             out = _plain_bytes(response.status_code, headers, response.body)
         self.transport.write(out)
+        if unread and self.transport.can_write_eof():
+            # The client may still be sending: closing now would reset the connection before it reads the
+            # answer. Half-close, and drop the connection a moment later (what it still sends is ignored).
+            self.transport.write_eof()
+            asyncio.get_running_loop().call_later(1.0, self.transport.close)
+            return
         self.transport.close()
 
 

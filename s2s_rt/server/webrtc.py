@@ -46,6 +46,10 @@ PLAY_RATE = 24_000
 FRAME_SAMPLES = PLAY_RATE // 50
 #: What the media track's Opus decodes to, as the listening clock takes it: mono PCM16 at 48 kHz.
 HEARD_FORMAT = AudioFormat("audio/pcm", 48_000)
+#: A receiver plays what it is sent this much later (its jitter buffer, the codec): what the server played
+#: that recently has not been heard yet. Measured here: aiortc's receiver 100-120 ms behind the track
+#: (a 4-packet prefetch); browsers' jitter buffers hold some 20-80 ms on a quiet network.
+HEARD_DELAY_MS = 60.0
 #: The data channel's events wait while more than this is buffered for the client (its ``bufferedAmount``).
 CHANNEL_HIGH_WATER = 1 << 20
 EVENTS_LABEL = "oai-events"
@@ -121,7 +125,7 @@ class Playback(MediaStreamTrack):
 
         Returns:
             The response that was playing (None: nothing was), the item whose audio played last and how
-            many ms of it were played.
+            many ms of it were heard (played, less :data:`HEARD_DELAY_MS` still on its way).
         """
         playing = self.playing
         for chunk in self._queue:
@@ -131,7 +135,8 @@ class Playback(MediaStreamTrack):
         self._queue.clear()
         self.playing = None
         item = self.item_id
-        return playing, item, self.played_ms.get(item, 0.0) if item is not None else 0.0
+        played = self.played_ms.get(item, 0.0) if item is not None else 0.0
+        return playing, item, max(0.0, played - HEARD_DELAY_MS)
 
     async def recv(self) -> AudioFrame:
         if self.readyState != "live":

@@ -1,0 +1,461 @@
+"""WebRTC calls and client secrets, as a browser or a phone app uses them, on real sockets.
+
+A Python WebRTC client (aiortc, :class:`s2s_rt.bench.call.CallClient`) posts its
+offer with the official ``openai`` package, and talks over the media track and
+the ``oai-events`` data channel. aiortc gathers no loopback candidates, so the
+media flows over this host's own network address (never off the machine).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+from conformance import validate_server_event
+from conftest import RealtimeClient, eventually, http_get, live_server, run, silence, tone
+from openai import APIStatusError, AsyncOpenAI, AuthenticationError, BadRequestError
+from openai.types.realtime import ClientSecretCreateResponse
+from websockets.asyncio.client import connect
+from websockets.exceptions import InvalidStatus
+
+from s2s_rt.bench.call import CallClient
+from s2s_rt.server import secrets as secrets_module
+
+KEY = "sk-test-key"
+
+
+def base_url(server: Any) -> str:
+    return f"http://127.0.0.1:{server.port}/v1"
+
+
+def conformant(call: CallClient) -> None:
+    """Every event the call's data channel carried is one the official SDK's GA types accept."""
+    for event in call.events:
+        validate_server_event({k: v for k, v in event.items() if k != "_received"}, beta=False)
+
+
+async def spoken_turn(call: CallClient) -> tuple[float, dict[str, Any]]:
+    """Speak a second of tone and a second of silence; returns when the speech ended and the response's done."""
+    spoken_until = call.speak(tone(440, 1.0))
+    call.speak(silence(1.2))
+    done = await call.next_event("response.done", 20)
+    await call.next_event("output_audio_buffer.stopped", 20)
+    return spoken_until, done
+
+
+def test_a_spoken_turn_over_webrtc_arrives_as_events_on_the_data_channel_and_audio_on_the_track() -> None:
+    async def scenario() -> None:
+        async with live_server() as server:
+            call = await CallClient.open(base_url(server), "unused")
+            try:
+                assert call.call_id and call.call_id.startswith("rtc_")
+                await call.next_event("session.created")
+                call.send({"type": "session.update", "session": {"type": "realtime", "instructions": "Be brief."}})
+                updated = await call.next_event("session.updated")
+                assert updated["session"]["instructions"] == "Be brief."
+                spoken_until, done = await spoken_turn(call)
+                assert done["response"]["status"] == "completed"
+                types = [e["type"] for e in call.events]
+                for kind in ("input_audio_buffer.speech_started", "input_audio_buffer.committed", "response.created"):
+                    assert kind in types
+                # The audio goes on the track: no audio deltas on the data channel, and the buffer events instead.
+                assert "response.output_audio.delta" not in types
+                rid = done["response"]["id"]
+                started = [e for e in call.events if e["type"] == "output_audio_buffer.started"]
+                stopped = [e for e in call.events if e["type"] == "output_audio_buffer.stopped"]
+                assert [e["response_id"] for e in started] == [rid] and [e["response_id"] for e in stopped] == [rid]
+                assert types.index("output_audio_buffer.stopped") > types.index("response.done")
+                # The fake answer's tones, heard on the track: not silence.
+                first = call.first_sound_after(spoken_until)
+                assert first is not None
+                heard = call.heard_between(first).astype(np.float32) / 32768.0
+                assert float(np.sqrt(np.mean(heard**2))) > 0.02
+                print(
+                    f"\nWebRTC, fake stack: end of speech -> first audio heard {1000 * (first - spoken_until):.0f} ms"
+                )
+                conformant(call)
+            finally:
+                await call.close()
+
+    run(scenario())
+
+
+def test_barge_in_over_webrtc_truncates_the_item_at_what_was_played_and_clears_the_buffer() -> None:
+    async def scenario() -> None:
+        async with live_server() as server:
+            call = await CallClient.open(base_url(server), "unused")
+            try:
+                await call.next_event("session.created")
+                # A long answer (120 ms per word of tone): about 6 s to play.
+                call.send(
+                    {
+                        "type": "conversation.item.create",
+                        "item": {
+                            "type": "message",
+                            "role": "user",
+                            "content": [{"type": "input_text", "text": " ".join(["word"] * 50)}],
+                        },
+                    }
+                )
+                call.send({"type": "response.create"})
+                started = await call.next_event("output_audio_buffer.started", 10)
+                done = await call.next_event("response.done", 10)
+                item_id = done["response"]["output"][0]["id"]
+                began = started["_received"]
+                await asyncio.sleep(1.5)
+                call.speak(tone(300, 0.8))
+                call.speak(silence(1.2))
+                cleared = await call.next_event("output_audio_buffer.cleared", 10)
+                truncated = await call.next_event("conversation.item.truncated", 5)
+                assert cleared["response_id"] == started["response_id"]
+                assert truncated["item_id"] == item_id
+                # What the client heard of the answer, from its first sound to the last before the clear.
+                first = call.first_sound_after(began)
+                assert first is not None
+                # (Counted in samples, as the server counts what it played: arrival times come in bursts.)
+                answer = [pcm for t, pcm in call.heard if first <= t <= cleared["_received"]]
+                heard_ms = 1000 * sum(len(pcm) // 2 for pcm in answer) / 48_000
+                print(f"\nplayed {truncated['audio_end_ms']} ms by the server's count, heard {heard_ms:.0f} ms here")
+                assert abs(truncated["audio_end_ms"] - heard_ms) <= 100
+                # The item keeps only what was heard: fewer words than the answer had.
+                await asyncio.sleep(0.3)
+                call.send({"type": "conversation.item.retrieve", "item_id": item_id})
+                item = (await call.next_event("conversation.item.retrieved", 5))["item"]
+                kept = item["content"][0]["transcript"].split()
+                assert 0 < len(kept) < 50
+                # And the track goes quiet: nothing of the cleared answer plays on.
+                await asyncio.sleep(0.5)
+                after = call.heard_between(time.perf_counter() - 0.3)
+                assert after.size and np.abs(after).max() < 300
+                conformant(call)
+            finally:
+                await call.close()
+
+    run(scenario())
+
+
+def test_output_audio_buffer_clear_cuts_a_call_off_and_is_refused_over_a_websocket() -> None:
+    async def scenario() -> None:
+        async with live_server() as server:
+            call = await CallClient.open(base_url(server), "unused")
+            try:
+                await call.next_event("session.created")
+                call.send(
+                    {
+                        "type": "conversation.item.create",
+                        "item": {
+                            "type": "message",
+                            "role": "user",
+                            "content": [{"type": "input_text", "text": " ".join(["word"] * 40)}],
+                        },
+                    }
+                )
+                call.send({"type": "response.create"})
+                started = await call.next_event("output_audio_buffer.started", 10)
+                await asyncio.sleep(0.6)
+                call.send({"type": "output_audio_buffer.clear", "event_id": "evt_clear"})
+                cleared = await call.next_event("output_audio_buffer.cleared", 5)
+                truncated = await call.next_event("conversation.item.truncated", 5)
+                assert cleared["response_id"] == started["response_id"]
+                assert 400 <= truncated["audio_end_ms"] <= 900
+                conformant(call)
+            finally:
+                await call.close()
+            async with RealtimeClient.connect(server) as ws:
+                await ws.until("session.created")
+                await ws.send("output_audio_buffer.clear", event_id="evt_ws")
+                error = await ws.until("error")
+                assert error["error"]["event_id"] == "evt_ws" and "WebRTC" in error["error"]["message"]
+
+    run(scenario())
+
+
+def test_calls_and_websocket_sessions_share_the_pool() -> None:
+    async def scenario() -> None:
+        async with live_server(pool_size=2) as server:
+            call = await CallClient.open(base_url(server), "unused")
+            try:
+                async with RealtimeClient.connect(server) as ws:
+                    await ws.until("session.created")
+                    assert server.pool.free == 0
+                    # A second call finds no slot: refused as OpenAI's API refuses, with the SDK's own error.
+                    with pytest.raises(APIStatusError) as refused:
+                        await CallClient.open(base_url(server), "unused")
+                    assert refused.value.status_code == 503 and refused.value.code == "session_limit_reached"
+                    # And so does a WebSocket.
+                    async with RealtimeClient.connect(server) as third:
+                        error = await third.until("error")
+                        assert error["error"]["code"] == "session_limit_reached"
+            finally:
+                await call.close()
+            assert await eventually(lambda: _free(server, 2), 10)
+
+    run(scenario())
+
+
+async def _free(server: Any, n: int) -> bool:
+    return server.pool.free == n
+
+
+def test_a_call_whose_ice_never_completes_frees_its_slot_within_its_timeout() -> None:
+    async def scenario() -> None:
+        async with live_server(pool_size=2, call_timeout_s=1.5) as server:
+            # Offered and answered, but the client never takes the answer: no ICE, no data channel.
+            from aiortc import RTCPeerConnection
+
+            pc = RTCPeerConnection()
+            pc.createDataChannel("oai-events")
+            pc.addTransceiver("audio")
+            await pc.setLocalDescription(await pc.createOffer())
+            client = AsyncOpenAI(base_url=base_url(server), api_key="unused", max_retries=0)
+            try:
+                await client.realtime.calls.create(sdp=pc.localDescription.sdp)
+            finally:
+                await client.close()
+            begun = time.monotonic()
+            assert server.pool.free == 1
+            assert await eventually(lambda: _free(server, 2), 5)
+            waited = time.monotonic() - begun
+            print(f"\nslot freed {waited:.2f} s after the offer was answered (timeout 1.5 s)")
+            assert waited <= 1.5 + 1.0
+            assert not server.calls.calls
+            await pc.close()
+
+    run(scenario())
+
+
+def test_twenty_calls_opened_and_abandoned_leave_every_slot_idle() -> None:
+    async def scenario() -> None:
+        async with live_server(pool_size=4, call_timeout_s=2.0) as server:
+            from aiortc import RTCPeerConnection
+
+            opened = 0
+            for batch in range(5):
+                calls = [await CallClient.open(base_url(server), "unused") for _ in range(2)]
+                opened += len(calls)
+                # Two more never connect: their answers are never taken.
+                strays = []
+                for _ in range(2):
+                    pc = RTCPeerConnection()
+                    pc.createDataChannel("oai-events")
+                    pc.addTransceiver("audio")
+                    await pc.setLocalDescription(await pc.createOffer())
+                    client = AsyncOpenAI(base_url=base_url(server), api_key="unused", max_retries=0)
+                    try:
+                        await client.realtime.calls.create(sdp=pc.localDescription.sdp)
+                    finally:
+                        await client.close()
+                    strays.append(pc)
+                    opened += 1
+                for call in calls:
+                    await call.next_event("session.created")
+                    call.speak(tone(500, 0.3))
+                # Abandoned: one half closes its peer connection, the other only its data channel.
+                for i, call in enumerate(calls):
+                    if (i + batch) % 2:
+                        await call.close()
+                    else:
+                        call.channel.close()
+                for pc in strays:
+                    await pc.close()
+                assert await eventually(lambda: _free(server, 4), 6), server.pool.states()
+                for call in calls:
+                    await call.close()
+            assert opened == 20
+            assert server.pool.states() == {"idle": 4, "active": 0, "draining": 0, "quarantined": 0}
+            assert not server.calls.calls
+
+    run(scenario(), timeout=120)
+
+
+def test_hangup_ends_a_call() -> None:
+    async def scenario() -> None:
+        async with live_server(pool_size=1, api_keys=[KEY]) as server:
+            call = await CallClient.open(base_url(server), KEY)
+            try:
+                await call.next_event("session.created")
+                status, _ = await http_get(server, f"/v1/realtime/calls/{call.call_id}/hangup", method="POST")
+                assert status == 401  # no key
+                headers = {"Authorization": f"Bearer {KEY}"}
+                path = f"/v1/realtime/calls/{call.call_id}/hangup"
+                assert (await http_get(server, path, method="POST", headers=headers))[0] == 200
+                assert await eventually(lambda: _free(server, 1), 5)
+                assert (await http_get(server, path, method="POST", headers=headers))[0] == 404
+            finally:
+                await call.close()
+
+    run(scenario())
+
+
+# --- client secrets ---------------------------------------------------------------------
+
+
+def test_the_official_sdk_mints_a_client_secret_that_opens_sessions_over_webrtc_and_websocket() -> None:
+    async def scenario() -> None:
+        async with live_server(api_keys=[KEY]) as server:
+            client = AsyncOpenAI(base_url=base_url(server), api_key=KEY, max_retries=0)
+            try:
+                minted = await client.realtime.client_secrets.create(
+                    session={
+                        "type": "realtime",
+                        "instructions": "You are a pirate.",
+                        "audio": {"output": {"voice": server.stack.tts.voices[0]}},
+                    }
+                )
+            finally:
+                await client.close()
+            # The answer has OpenAI's shape: the SDK's own type accepts it, validated.
+            raw = minted.model_dump(mode="json")
+            ClientSecretCreateResponse.model_validate(raw)
+            assert minted.value.startswith("ek_")
+            assert 590 <= minted.expires_at - time.time() <= 601  # 10 minutes by default
+            assert minted.session.type == "realtime"
+            # Over WebRTC, the secret opens a session, which starts with the configuration it carries.
+            call = await CallClient.open(base_url(server), minted.value)
+            try:
+                created = await call.next_event("session.created")
+                assert created["session"]["instructions"] == "You are a pirate."
+            finally:
+                await call.close()
+            # Over a WebSocket too: as a bearer token, and as the browser's subprotocol.
+            for kw in (
+                {"additional_headers": {"Authorization": f"Bearer {minted.value}"}},
+                {"subprotocols": ["realtime", f"openai-insecure-api-key.{minted.value}"]},
+            ):
+                async with RealtimeClient.connect(server, **kw) as ws:
+                    created = await ws.until("session.created")
+                    assert created["session"]["instructions"] == "You are a pirate."
+            # Without it, or with a made-up one, nothing opens.
+            for headers in ({}, {"Authorization": "Bearer ek_made_up"}):
+                with pytest.raises(InvalidStatus) as refused:
+                    async with connect(f"ws://127.0.0.1:{server.port}/v1/realtime", additional_headers=headers):
+                        pass
+                assert refused.value.response.status_code == 401
+
+    run(scenario())
+
+
+def test_a_client_secret_can_neither_mint_nor_drain_nor_read_the_pool() -> None:
+    async def scenario() -> None:
+        async with live_server(api_keys=[KEY]) as server:
+            client = AsyncOpenAI(base_url=base_url(server), api_key=KEY, max_retries=0)
+            try:
+                secret = (await client.realtime.client_secrets.create()).value
+            finally:
+                await client.close()
+            as_secret = AsyncOpenAI(base_url=base_url(server), api_key=secret, max_retries=0)
+            try:
+                with pytest.raises(AuthenticationError):
+                    await as_secret.realtime.client_secrets.create()
+            finally:
+                await as_secret.close()
+            bearer = {"Authorization": f"Bearer {secret}"}
+            for path in ("/drain", "/undrain"):
+                status, _ = await http_get(server, path, method="POST", headers=bearer | {"S2S-Operator": "1"})
+                assert status == 401
+            assert not server.draining
+            assert (await http_get(server, "/v1/pool", headers=bearer))[0] == 401
+            # The key itself can.
+            assert (await http_get(server, "/v1/pool", headers={"Authorization": f"Bearer {KEY}"}))[0] == 200
+
+    run(scenario())
+
+
+def test_a_client_secret_stops_working_once_expired_and_longer_than_the_bound_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async def scenario() -> None:
+        async with live_server(api_keys=[KEY], max_client_secret_s=900) as server:
+            client = AsyncOpenAI(base_url=base_url(server), api_key=KEY, max_retries=0)
+            try:
+                with pytest.raises(BadRequestError) as refused:
+                    await client.realtime.client_secrets.create(expires_after={"anchor": "created_at", "seconds": 901})
+                assert "expires_after.seconds" in str(refused.value)
+                minted = await client.realtime.client_secrets.create(
+                    expires_after={"anchor": "created_at", "seconds": 60}
+                )
+            finally:
+                await client.close()
+            assert 55 <= minted.expires_at - time.time() <= 61
+            headers = {"Authorization": f"Bearer {minted.value}"}
+            async with connect(f"ws://127.0.0.1:{server.port}/v1/realtime", additional_headers=headers) as ws:
+                assert json.loads(await ws.recv())["type"] == "session.created"
+            # A minute later (the server's clock moved on), it opens nothing: neither a WebSocket nor a call.
+            now = time.time() + 61
+            monkeypatch.setattr(secrets_module.time, "time", lambda: now)
+            with pytest.raises(InvalidStatus) as expired:
+                async with connect(f"ws://127.0.0.1:{server.port}/v1/realtime", additional_headers=headers):
+                    pass
+            assert expired.value.response.status_code == 401
+            with pytest.raises(AuthenticationError):
+                await CallClient.open(base_url(server), minted.value)
+            assert server.pool.free == len(server.pool.slots)
+
+    run(scenario())
+
+
+def test_a_client_secrets_bad_configuration_is_refused_when_it_is_minted() -> None:
+    async def scenario() -> None:
+        async with live_server() as server:
+            client = AsyncOpenAI(base_url=base_url(server), api_key="unused", max_retries=0)
+            try:
+                with pytest.raises(BadRequestError) as refused:
+                    await client.realtime.client_secrets.create(
+                        session={"type": "realtime", "audio": {"output": {"voice": "no-such-voice"}}}
+                    )
+                assert "voice" in str(refused.value)
+            finally:
+                await client.close()
+
+    run(scenario())
+
+
+# --- the POST parser ---------------------------------------------------------------------
+
+
+def test_requests_with_bodies_are_read_on_the_session_port_and_bad_ones_are_refused() -> None:
+    async def scenario() -> None:
+        async with live_server() as server:
+
+            async def raw(data: bytes) -> bytes:
+                reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+                writer.write(data)
+                await writer.drain()
+                answer = await asyncio.wait_for(reader.read(), 5)
+                writer.close()
+                return answer
+
+            big = b"x" * (300 * 1024)
+            answer = await raw(
+                b"POST /v1/realtime/calls HTTP/1.1\r\nHost: x\r\nContent-Type: application/sdp\r\n"
+                b"Content-Length: %d\r\n\r\n" % len(big) + big
+            )
+            assert answer.startswith(b"HTTP/1.1 413")
+            answer = await raw(b"POST /v1/realtime/calls HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello")
+            assert answer.startswith(b"HTTP/1.1 400") and b"application/sdp" in answer
+            answer = await raw(
+                b"POST /v1/realtime/calls HTTP/1.1\r\nHost: x\r\nContent-Type: application/sdp\r\n"
+                b"Content-Length: 9\r\n\r\nnot sdp!!"
+            )
+            assert answer.startswith(b"HTTP/1.1 400")
+            answer = await raw(b"POST /v1/realtime/client_secrets HTTP/1.1\r\nContent-Length: 3\r\n\r\n{x}")
+            assert answer.startswith(b"HTTP/1.1 400")  # no Host header: h11 refuses it
+            answer = await raw(b"POST /v1/realtime/client_secrets HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\n{x}")
+            assert answer.startswith(b"HTTP/1.1 400") and b"invalid_json" in answer
+            # A preflight from a page elsewhere is answered (keys travel in headers, so any origin may ask).
+            answer = await raw(
+                b"OPTIONS /v1/realtime/calls HTTP/1.1\r\nHost: x\r\nOrigin: http://app.example\r\n"
+                b"Access-Control-Request-Method: POST\r\n"
+                b"Access-Control-Request-Headers: authorization, content-type\r\n\r\n"
+            )
+            assert answer.startswith(b"HTTP/1.1 204") and b"Access-Control-Allow-Origin: http://app.example" in answer
+            # Every slot is still free, and the WebSocket still opens on the same port.
+            assert server.pool.free == len(server.pool.slots)
+            async with RealtimeClient.connect(server) as ws:
+                await ws.until("session.created")
+
+    run(scenario())
