@@ -70,6 +70,9 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         " repeatable; default: host candidates only",
     )
     p.add_argument(
+        "--media-ports", dest="media_ports", help="UDP ports for WebRTC media, LOW-HIGH (default: any free port)"
+    )
+    p.add_argument(
         "--call-timeout", type=float, dest="call_timeout_s", help="seconds a WebRTC call may take to connect (15)"
     )
     p.add_argument(

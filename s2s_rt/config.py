@@ -162,6 +162,8 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: WebRTC calls: STUN/TURN servers (``stun:host:3478``, ``USER:PASS@turn:host:3478?transport=tcp``);
     #: none: host candidates only.
     ice_servers: list[str] = []
+    #: UDP ports for WebRTC media, ``LOW-HIGH`` (each call takes one per host address); none: any free port.
+    media_ports: str | None = None
     #: A call whose data channel has not opened this long after its offer (ICE never completed) ends.
     call_timeout_s: float = 15.0
     #: The longest ``expires_after.seconds`` a client secret may ask for (OpenAI's bound: two hours).
@@ -224,6 +226,11 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ConfigError("call_timeout_s must be above 0 and at most 600")
         if not 10 <= self.max_client_secret_s <= 86400:
             raise ConfigError("max_client_secret_s must be 10..86400")
+        if self.media_ports is not None:
+            try:
+                port_range(self.media_ports)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
         for server in self.ice_servers:
             url = server.rpartition("@")[2]
             if not url.startswith(("stun:", "turn:", "turns:")):
@@ -234,6 +241,21 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             except ValueError:
                 raise ConfigError(f"trusted_proxies: {proxy!r} is not an address or network") from None
         return self
+
+
+def port_range(text: str) -> range:
+    """``LOW-HIGH`` (inclusive) as a range of UDP ports.
+
+    Raises:
+        ValueError: not two ports in order.
+    """
+    low, sep, high = text.partition("-")
+    if not sep or not low.strip().isdigit() or not high.strip().isdigit():
+        raise ValueError(f"media ports {text!r}: expected LOW-HIGH, e.g. 40000-40999")
+    lo, hi = int(low), int(high)
+    if not 1024 <= lo <= hi <= 65535:
+        raise ValueError(f"media ports {text!r}: expected 1024 <= LOW <= HIGH <= 65535")
+    return range(lo, hi + 1)
 
 
 ENV_PREFIX = "S2S_RT_"

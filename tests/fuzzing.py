@@ -889,6 +889,7 @@ class Hostile:
             "append": 24,
             "commit": 6,
             "clear": 3,
+            "output.clear": 1,
             "session.update": 8,
             "transcription_session.update": 2,
             "item.create": 10,
@@ -918,6 +919,8 @@ class Hostile:
             await s.send({"type": "input_audio_buffer.commit"} | eid)
         elif action == "clear":
             await s.send({"type": "input_audio_buffer.clear"} | eid)
+        elif action == "output.clear":
+            await s.send({"type": "output_audio_buffer.clear"} | eid)  # a call's event: refused over a WebSocket
         elif action == "session.update":
             await s.send(self.session_update(s) | eid)
         elif action == "transcription_session.update":

@@ -266,3 +266,41 @@ def test_semantic_vad_ends_a_finished_question_sooner_than_an_unfinished_one() -
     for voice, (finished, unfinished) in run(scenario(), timeout=180).items():
         assert finished is not None and finished < 1000, (voice, finished)  # ended within the 1.5 s of silence
         assert unfinished is None or unfinished > finished + 500, (voice, finished, unfinished)
+
+
+@requires(not missing_programs(SEMANTIC_VOICES[:1]), "flite is not installed (apt-get install flite)")
+def test_a_spoken_turn_over_webrtc_on_the_default_stack() -> None:
+    """A question in a voice unlike the server's, spoken into a WebRTC call (aiortc, the SDK posting the offer).
+
+    Heard right, answered with its fact in the events of the ``oai-events``
+    channel, and the answer's audio, as it came over the track (Opus both
+    ways), is speech of its transcript.
+    """
+    from s2s_rt.bench.call import CallClient
+
+    async def scenario() -> None:
+        async with real_server(pool_size=1) as server:
+            question = "What is the capital of France?"
+            pcm = float_to_pcm16(resample(say(SEMANTIC_VOICES[0], question), PIPELINE_RATE, RATE))
+            call = await CallClient.open(f"http://127.0.0.1:{server.port}/v1", "unused", session=SETTINGS)
+            try:
+                created = await call.next_event("session.created")
+                assert created["session"]["instructions"] == INSTRUCTIONS  # the offer's configuration
+                spoken_until = call.speak(pcm)
+                call.speak(bytes(int(RATE * 1.5) * 2))
+                heard = await call.next_event("conversation.item.input_audio_transcription.completed", 30)
+                done = await call.next_event("response.done", 60)
+                await call.next_event("output_audio_buffer.stopped", 30)
+                assert word_error_rate(question, heard["transcript"]) <= 0.20, heard
+                answer = done["response"]["output"][0]["content"][0]["transcript"]
+                says(answer, r"\bParis\b")
+                first = call.first_sound_after(spoken_until)
+                assert first is not None
+                latency_ms = 1000 * (first - spoken_until)
+                print(f"\nWebRTC, default stack: end of speech -> first audio heard {latency_ms:.0f} ms")
+                track = pcm16_to_float(call.heard_between(first).tobytes())
+                check_answer_audio(server, answer, float_to_pcm16(resample(track, 48_000, RATE)))
+            finally:
+                await call.close()
+
+    run(scenario(), timeout=180)

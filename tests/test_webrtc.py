@@ -459,3 +459,20 @@ def test_requests_with_bodies_are_read_on_the_session_port_and_bad_ones_are_refu
                 await ws.until("session.created")
 
     run(scenario())
+
+
+def test_media_binds_within_the_configured_port_range() -> None:
+    async def scenario() -> None:
+        async with live_server(media_ports="47100-47119") as server:
+            call = await CallClient.open(base_url(server), "unused")
+            try:
+                await call.next_event("session.created")
+                answer = call.pc.remoteDescription.sdp
+                ports = [int(line.split()[5]) for line in answer.splitlines() if line.startswith("a=candidate:")]
+                assert ports and all(47100 <= p <= 47119 for p in ports), ports
+                call.speak(tone(440, 0.5) + silence(1.0))
+                await call.next_event("output_audio_buffer.stopped", 15)
+            finally:
+                await call.close()
+
+    run(scenario())

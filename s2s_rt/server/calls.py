@@ -19,13 +19,13 @@ from typing import Any
 from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
 
-from s2s_rt.config import Config
+from s2s_rt.config import Config, port_range
 from s2s_rt.protocol.errors import ProtocolError
 from s2s_rt.protocol.server_events import BETA, GA, new_id
 from s2s_rt.server.connection import Connections, Refusal
 from s2s_rt.server.handshake import asked_model, offered_keys, wants_beta, wants_transcription
 from s2s_rt.server.secrets import session_update
-from s2s_rt.server.webrtc import Call, ice_configuration
+from s2s_rt.server.webrtc import Call, bind_media_in, ice_configuration
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +99,8 @@ class Calls:
     async def create(self, request: Request, body: bytes, client: str) -> Response:
         """Answer an offer: a slot claimed, the session made, the SDP answer (201, ``Location``)."""
         connections = self.connections
+        if self.config.media_ports is not None:
+            bind_media_in(port_range(self.config.media_ports))
         try:
             offer, config = offer_of(request, body)
             update, transcription = session_update(config, "session")

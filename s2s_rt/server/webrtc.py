@@ -25,6 +25,7 @@ import asyncio
 import collections
 import fractions
 import logging
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -354,6 +355,37 @@ def mono_pcm16(frame: AudioFrame) -> bytes:
         floats = resample(np.asarray(samples, dtype=np.float32) / 32768.0, frame.sample_rate, HEARD_FORMAT.rate)
         samples = np.clip(np.round(floats * 32767.0), -32768, 32767)
     return np.asarray(samples, dtype="<i2").tobytes()
+
+
+def bind_media_in(ports: range) -> None:
+    """Bind every UDP socket of this event loop that asks for any port (``port 0``) within ``ports`` instead.
+
+    aiortc's ICE binds one UDP socket per host address for each call, and
+    offers no port range of its own; a firewall or a Kubernetes Service that
+    forwards a fixed range needs one. The only UDP sockets the server opens
+    are its calls', so the loop's ``create_datagram_endpoint`` is wrapped:
+    it tries the range's ports from a random start, and raises ``OSError``
+    when all of them are taken (that call then fails; the others go on).
+    """
+    loop = asyncio.get_running_loop()
+    original = loop.create_datagram_endpoint
+    if getattr(original, "media_ports", None) == ports:
+        return
+
+    async def in_range(factory: Any, local_addr: Any = None, **kw: Any) -> Any:
+        if local_addr is None or local_addr[1] != 0:
+            return await original(factory, local_addr=local_addr, **kw)
+        start = random.randrange(len(ports))
+        for i in range(len(ports)):
+            port = ports[(start + i) % len(ports)]
+            try:
+                return await original(factory, local_addr=(local_addr[0], port, *local_addr[2:]), **kw)
+            except OSError:
+                continue
+        raise OSError(f"no free UDP port for media in {ports.start}-{ports.stop - 1}")
+
+    in_range.media_ports = ports  # type: ignore[attr-defined]
+    loop.create_datagram_endpoint = in_range  # type: ignore[method-assign]
 
 
 def ice_configuration(servers: list[str]) -> RTCConfiguration:
