@@ -23,7 +23,7 @@ from s2s_rt.protocol.errors import ProtocolError
 from s2s_rt.protocol.server_events import GA
 from s2s_rt.protocol.session import Session
 
-_AUDIO_EVENTS = (ce.InputAudioBufferAppend, ce.InputAudioBufferCommit, ce.InputAudioBufferClear)
+_AUDIO_EVENTS = ce.PIPELINE_EVENTS
 CORPUS = sorted((Path(__file__).parent / "fuzz_corpus").glob("*.json"))
 SEEDS = [p.read_text() for p in CORPUS]
 

@@ -29,7 +29,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         prog="s2s-rt bench",
         description="Load a Realtime server with spoken sessions; report latency per turn, capacity and memory.",
     )
-    p.add_argument("--mode", choices=["talk", "listen", "memory", "copies", "suite"], default="talk")
+    p.add_argument("--mode", choices=["talk", "listen", "memory", "copies", "suite", "transports"], default="talk")
     target = p.add_argument_group("server")
     target.add_argument("--url", default="ws://127.0.0.1:8000/v1/realtime", help="a running server")
     target.add_argument("--pid", type=int, help="the running server's PID, for CPU and RSS from /proc")
@@ -146,6 +146,10 @@ async def run_async(opts: argparse.Namespace) -> dict[str, Any]:
     try:
         if opts.mode == "listen":
             return await run_listen(opts, server, clips)
+        if opts.mode == "transports":
+            from s2s_rt.bench.transports import run_transports
+
+            return await run_transports(opts, server, clips)
         return await run_talk(opts, server, clips)
     finally:
         await asyncio.to_thread(server.stop)

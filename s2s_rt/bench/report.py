@@ -82,6 +82,10 @@ def format_report(report: dict[str, Any]) -> str:
     lines.append(
         f"s2s-rt bench — mode {report['mode']}, {m['cpu']} × {m['cores']} cores, load {m['loadavg'][0]:.2f} at the end"
     )
+    if report["mode"] == "transports":
+        from s2s_rt.bench.transports import format_transports
+
+        return "\n".join([*lines, *format_transports(report)])
     if report["mode"] == "copies":
         lines.append(f"{'copies':>6} {'RSS MB':>9} {'+MB':>8} {'load+run s':>11}")
         prev = None

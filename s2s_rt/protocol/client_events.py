@@ -298,3 +298,7 @@ def _param_of(message: str) -> str | None:
     if "missing required field `" in message:
         path += "." + message.split("missing required field `", 1)[1].split("`", 1)[0]
     return path
+
+
+#: Events the session does not handle (:meth:`Session.handle` refuses them): the audio pipeline's and the call's.
+PIPELINE_EVENTS = (InputAudioBufferAppend, InputAudioBufferCommit, InputAudioBufferClear, OutputAudioBufferClear)

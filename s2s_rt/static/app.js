@@ -1,31 +1,55 @@
 // s2s-rt talk page: microphone → OpenAI Realtime API (GA events) → speaker.
 //
-// The microphone runs through an AudioWorklet (capture-worklet.js) that
-// resamples it to 24 kHz PCM16; chunks go out as input_audio_buffer.append.
+// Two transports carry the same JSON events (see the transports section):
+//
+// - WebRTC (the default), as OpenAI's Realtime API does it: the microphone
+//   goes on a media track, with the browser's echo cancellation, and the
+//   answer comes back on the remote track, played by an <audio> element. The
+//   events travel on the "oai-events" data channel. The server plays the
+//   answer itself, so it knows what was heard: on a barge-in it clears its
+//   output buffer and truncates the item (output_audio_buffer.cleared,
+//   conversation.item.truncated); the page sends no truncate.
+// - WebSocket: the microphone runs through an AudioWorklet
+//   (capture-worklet.js) that resamples it to 24 kHz PCM16; chunks go out as
+//   input_audio_buffer.append. Answer audio arrives as
+//   response.output_audio.delta and is queued in a second worklet
+//   (player-worklet.js), which counts what it has really played: a barge-in
+//   stops playback at once and truncates the assistant item to that count.
+//
 // Push to talk commits by hand (turn_detection null); hands-free lets the
-// server's VAD cut turns. Answer audio is queued in a second worklet
-// (player-worklet.js), which counts what it has really played: a barge-in
-// stops playback at once and truncates the assistant item to that count.
+// server's VAD cut turns. When the server gives the page a short-lived
+// client secret (POST /page/client_secret) the page uses it; otherwise it
+// uses what the user pasted in the client secret field. No long-lived key
+// is kept by the page.
 //
 // For tests and curious people, window.s2s holds the page's state.
 
 const RATE = 24000; // wire rate, both directions
 const MIN_COMMIT_SAMPLES = Math.ceil(0.12 * RATE); // the server wants at least 100 ms
+const SOUND_LEVEL = 0.005; // RMS above which the answer's track is not silent
+const ICE_GATHERING_MS = 3000; // the offer waits this long at most for its candidates
+const CALL_OPEN_MS = 15000; // a call whose data channel is not open by then has failed
 
 const $ = (id) => document.getElementById(id);
 
 const s2s = {
   state: "idle", // idle | connecting | ready | closed | full | refused | error
   mode: "talk", // talk | handsfree
+  transport: "webrtc", // webrtc | websocket
+  credential: null, // what opened the session: page-secret | pasted | none
   activity: "", // listening | recording | hearing | thinking | speaking
   sessionId: null,
+  callId: null, // WebRTC: the call's id (rtc_…)
   playedSamples: 0, // assistant audio played, in 24 kHz samples
+  heardSamples: 0, // WebRTC: samples of the answer's track that were not silent
   sentSamples: 0, // microphone audio sent, in 24 kHz samples
   micLevel: 0, // RMS of the latest 20 ms of microphone audio
+  answerLevel: 0, // WebRTC: RMS of the latest 20 ms of the answer's track
   turns: [], // [{userItemId, assistantItemId, latencyMs}]
   userTranscripts: [],
   assistantTranscripts: [],
-  bargeIns: [], // [{itemId, audioEndMs}] truncations this page sent
+  bargeIns: [], // [{itemId, audioEndMs}] truncations this page sent (WebSocket)
+  cleared: [], // [{responseId, itemId}] answers the server cut off (WebRTC)
   truncated: [], // [{itemId, audioEndMs}] truncations the server confirmed
   gaps: 0, // playback ran dry while an answer was still streaming
   lastError: null, // {code, message}
@@ -34,7 +58,6 @@ const s2s = {
 window.s2s = s2s;
 
 let conn = null; // the running connection: see start()
-
 // --- page state -------------------------------------------------------------
 
 function setState(state, text) {
@@ -48,6 +71,9 @@ function setState(state, text) {
   $("talk").hidden = s2s.mode === "handsfree";
   $("talk").disabled = state !== "ready";
   $("apiKey").disabled = running;
+  for (const radio of document.querySelectorAll('input[name="transport"]')) {
+    radio.disabled = running || (radio.value === "webrtc" && !window.RTCPeerConnection);
+  }
   if (!running) setLevel(0);
   renderActivity();
 }
@@ -179,6 +205,292 @@ function realtimeUrl() {
   return url.href;
 }
 
+function callsUrl() {
+  return new URL("v1/realtime/calls", location.href).href;
+}
+
+function parseEvent(data) {
+  try {
+    return JSON.parse(data);
+  } catch {
+    return null;
+  }
+}
+
+// --- transports -------------------------------------------------------------------
+//
+// A transport carries a session's JSON events, both ways, and its audio in its own way:
+//
+//   connect()            resolves once events can flow; rejects with a Refusal
+//   send(event)          one client event
+//   close()              the user is done: nothing more is sent or received
+//   onEvent(event)       each server event
+//   onClose({code, reason})  the session ended on the server's side, or the network's
+//   sendAudio(pcm)       the microphone's latest 24 kHz PCM16, when it is to be heard
+//   setMicrophone(open)  whether the server hears the microphone now
+//   serverPlays          the server plays the answer, and truncates it at what was heard, itself
+//   audioLagMs           how much later than the events the microphone's audio reaches the server
+
+// Why a session did not start: the page's state, an error code and the message shown.
+class Refusal extends Error {
+  constructor(state, code, message) {
+    super(message);
+    this.state = state;
+    this.code = code;
+  }
+}
+
+const serverFull = () =>
+  new Refusal("full", "session_limit_reached", "The server is full: all its sessions are in use. Try again in a moment.");
+const unreachable = () => new Refusal("refused", "unreachable", "Cannot reach the server. Is it running?");
+const keyRefused = () => new Refusal("refused", "connection_refused", "Connection refused: check the API key.");
+const unavailable = () =>
+  new Refusal("refused", "unavailable", "The server is not taking new sessions right now (full or draining). Try again later.");
+
+// The events as JSON text frames; the microphone as input_audio_buffer.append, the answer
+// as response.output_audio.delta (played by the page's player worklet).
+class WebSocketTransport {
+  constructor(token) {
+    this.token = token;
+    this.ws = null;
+    this.serverPlays = false;
+    this.audioLagMs = 0; // the appends travel in order with the other events
+    this.onEvent = () => {};
+    this.onClose = () => {};
+  }
+
+  connect() {
+    const protocols = ["realtime"];
+    if (this.token) protocols.push(`openai-insecure-api-key.${this.token}`);
+    try {
+      this.ws = new WebSocket(realtimeUrl(), protocols);
+    } catch (err) {
+      return Promise.reject(
+        new Refusal("error", "invalid_api_key", `This API key cannot be sent from a browser: ${err.message}`),
+      );
+    }
+    const ws = this.ws;
+    ws.onmessage = (e) => {
+      const ev = parseEvent(e.data);
+      if (ev) this.onEvent(ev);
+    };
+    return new Promise((resolve, reject) => {
+      ws.onopen = () => {
+        ws.onclose = (e) => this.onClose({ code: e.code, reason: e.reason });
+        resolve();
+      };
+      ws.onclose = async (e) => {
+        if (e.code === 1013) {
+          reject(serverFull());
+          return;
+        }
+        // A browser sees an HTTP 401 or 403 at the handshake only as a failed socket;
+        // /readyz tells a full or draining server apart from a refused key.
+        reject(await explainRefusal());
+      };
+    });
+  }
+
+  send(event) {
+    if (this.ws && this.ws.readyState === WebSocket.OPEN) this.ws.send(JSON.stringify(event));
+  }
+
+  sendAudio(pcm) {
+    this.send({ type: "input_audio_buffer.append", audio: int16ToBase64(pcm) });
+  }
+
+  setMicrophone() {} // the page sends only what is to be heard
+
+  close() {
+    const ws = this.ws;
+    if (!ws) return;
+    ws.onopen = ws.onmessage = ws.onclose = null;
+    if (ws.readyState <= WebSocket.OPEN) ws.close(1000, "bye");
+  }
+}
+
+async function explainRefusal() {
+  // /readyz of the page's own server; another server (?ws=) cannot be asked across origins.
+  if (new URLSearchParams(location.search).get("ws")) return keyRefused();
+  try {
+    const r = await fetch("readyz", { cache: "no-store" });
+    return r.status === 503 ? unavailable() : keyRefused();
+  } catch {
+    return unreachable();
+  }
+}
+
+// A call, as OpenAI's Realtime API takes one: the microphone on a media track (with the
+// browser's echo cancellation), the answer on the remote track (played by `audio`, an
+// <audio> element), the events on the "oai-events" data channel. The offer goes to
+// POST /v1/realtime/calls with its ICE candidates in it: the server takes no trickled ones.
+class WebRtcTransport {
+  constructor(token, microphone, audio) {
+    this.token = token;
+    // A track of its own, so that muting it (push to talk) leaves the page's level meter alone.
+    this.track = microphone.clone();
+    this.audio = audio;
+    this.pc = null;
+    this.channel = null;
+    this.id = null; // the call's id (rtc_…), from the answer's Location
+    this.serverPlays = true;
+    // The server hears the track some 100-150 ms after it was captured (its jitter buffer, the
+    // codec), while an event arrives at once: a commit waits for the last words to have arrived.
+    this.audioLagMs = 250;
+    this.onEvent = () => {};
+    this.onClose = () => {};
+    this.onTrack = () => {}; // the answer's stream, once it arrives
+  }
+
+  async connect() {
+    const pc = new RTCPeerConnection();
+    this.pc = pc;
+    pc.addTrack(this.track, new MediaStream([this.track]));
+    pc.ontrack = (e) => {
+      const remote = e.streams[0] || new MediaStream([e.track]);
+      this.audio.srcObject = remote;
+      this.audio.play().catch(() => {}); // autoplay: the Start click allows it
+      this.onTrack(remote);
+    };
+    const channel = pc.createDataChannel("oai-events");
+    this.channel = channel;
+    channel.onmessage = (e) => {
+      const ev = parseEvent(e.data);
+      if (ev) this.onEvent(ev);
+    };
+    await pc.setLocalDescription(await pc.createOffer());
+    await iceGathered(pc, ICE_GATHERING_MS);
+    let r;
+    try {
+      r = await fetch(callsUrl(), {
+        method: "POST",
+        body: pc.localDescription.sdp,
+        headers: this.headers({ "Content-Type": "application/sdp" }),
+        cache: "no-store",
+      });
+    } catch {
+      throw unreachable();
+    }
+    if (r.status !== 201) throw await callRefusal(r);
+    const where = r.headers.get("Location") || "";
+    this.id = where.slice(where.lastIndexOf("/") + 1) || null;
+    await pc.setRemoteDescription({ type: "answer", sdp: await r.text() });
+    await channelOpen(pc, channel, CALL_OPEN_MS);
+    channel.onclose = () => this.onClose({ code: 1000, reason: "the call ended" });
+    pc.onconnectionstatechange = () => {
+      if (pc.connectionState === "failed") this.onClose({ code: null, reason: "the call's connection failed" });
+    };
+  }
+
+  headers(extra = {}) {
+    return this.token ? { ...extra, Authorization: `Bearer ${this.token}` } : extra;
+  }
+
+  send(event) {
+    if (this.channel && this.channel.readyState === "open") this.channel.send(JSON.stringify(event));
+  }
+
+  sendAudio() {} // the media track carries it
+
+  setMicrophone(open) {
+    this.track.enabled = open; // a muted track sends silence
+  }
+
+  // Closing the data channel and the peer connection ends the call on the server.
+  close() {
+    const { pc, channel } = this;
+    this.onEvent = this.onClose = this.onTrack = () => {};
+    if (channel) channel.onclose = channel.onmessage = null;
+    if (pc) {
+      pc.ontrack = pc.onconnectionstatechange = null;
+      if (channel) channel.close();
+      pc.close();
+    }
+    this.track.stop();
+    this.audio.srcObject = null;
+  }
+}
+
+// Until the offer holds its candidates (gathering complete), or `ms` at most.
+function iceGathered(pc, ms) {
+  return new Promise((resolve) => {
+    if (pc.iceGatheringState === "complete") {
+      resolve();
+      return;
+    }
+    const done = () => {
+      clearTimeout(timer);
+      pc.removeEventListener("icegatheringstatechange", check);
+      resolve();
+    };
+    const check = () => pc.iceGatheringState === "complete" && done();
+    const timer = setTimeout(done, ms);
+    pc.addEventListener("icegatheringstatechange", check);
+  });
+}
+
+function channelOpen(pc, channel, ms) {
+  return new Promise((resolve, reject) => {
+    const fail = (why) => {
+      clearTimeout(timer);
+      reject(
+        new Refusal(
+          "error",
+          "call_failed",
+          `The WebRTC call did not connect (${why}): a firewall may block it. Try the WebSocket transport.`,
+        ),
+      );
+    };
+    const timer = setTimeout(() => fail(`not within ${ms / 1000} s`), ms);
+    channel.onopen = () => {
+      clearTimeout(timer);
+      resolve();
+    };
+    channel.onclose = () => fail("the server closed it");
+    pc.onconnectionstatechange = () => pc.connectionState === "failed" && fail("no network path to the server");
+  });
+}
+
+// An answer other than 201 to the offer: {"error": {code, message}}, or plain text.
+async function callRefusal(r) {
+  const text = await r.text().catch(() => "");
+  const err = (parseEvent(text) || {}).error || {};
+  if (err.code === "session_limit_reached") return serverFull();
+  if (r.status === 401) return keyRefused();
+  if (r.status === 503) return unavailable();
+  const message = err.message || text.trim() || r.statusText;
+  return new Refusal("refused", err.code || `http_${r.status}`, `The server refused the call: ${message}`);
+}
+
+// --- credentials --------------------------------------------------------------------
+
+// What opens the session: a short-lived client secret the page's server gives it (when its
+// operator allows that: --page-secrets), else what the user pasted (a client secret ek_…,
+// minted by their backend), else nothing (a server without keys). The page keeps none of them.
+async function credential() {
+  const pasted = $("apiKey").value.trim();
+  // Another server (?ws=) has its own secrets.
+  if (!new URLSearchParams(location.search).get("ws")) {
+    let r;
+    try {
+      r = await fetch("page/client_secret", { method: "POST", cache: "no-store" });
+    } catch {
+      throw unreachable();
+    }
+    if (r.ok) {
+      const secret = await r.json();
+      s2s.credential = "page-secret";
+      return secret.value;
+    }
+    if (r.status !== 404) {
+      const err = (parseEvent(await r.text()) || {}).error || {};
+      throw new Refusal("refused", err.code || `http_${r.status}`, `No client secret for this page: ${err.message || r.statusText}`);
+    }
+  }
+  s2s.credential = pasted ? "pasted" : "none";
+  return pasted;
+}
+
 // --- connection ------------------------------------------------------------------
 
 async function start() {
@@ -190,16 +502,20 @@ async function start() {
     return;
   }
   const c = {
-    ws: null,
+    transport: null,
     ctx: null,
     stream: null,
     capture: null,
     player: null,
-    opened: false,
+    answerTap: null, // WebRTC: measures the answer's track
     talking: false,
     talkSamples: 0,
     commitPending: false,
+    commitTimer: null,
     response: null, // the response in progress: {id, itemId, firstAudio}
+    items: new Map(), // response id -> its assistant item id
+    playing: null, // WebRTC: the response whose audio the server is playing
+    playingSince: null, // and since when (performance.now())
     lastAssistantItem: null,
     lastUserItem: null,
     turnEndAt: null, // performance.now() at the end of the user's turn
@@ -226,9 +542,6 @@ async function start() {
     teardown(c);
     return;
   }
-  c.player = new AudioWorkletNode(c.ctx, "s2s-player", { numberOfInputs: 0, outputChannelCount: [2] });
-  c.player.port.onmessage = (e) => onPlayer(c, e.data);
-  c.player.connect(c.ctx.destination);
   // The capture node's output is silence; connecting it keeps it pulled by the graph.
   c.capture = new AudioWorkletNode(c.ctx, "s2s-capture", { processorOptions: { chunkSamples: RATE / 50 } });
   c.capture.port.onmessage = (e) => onMicrophone(c, e.data);
@@ -236,33 +549,39 @@ async function start() {
   c.capture.connect(c.ctx.destination);
   if (c.ctx.state !== "running") await c.ctx.resume();
 
-  const key = $("apiKey").value.trim();
-  const protocols = ["realtime"];
-  if (key) protocols.push(`openai-insecure-api-key.${key}`);
   setState("connecting", "Connecting…");
   try {
-    c.ws = new WebSocket(realtimeUrl(), protocols);
+    const token = await credential();
+    if (conn !== c) return;
+    c.transport =
+      s2s.transport === "webrtc"
+        ? new WebRtcTransport(token, c.stream.getAudioTracks()[0], $("answer"))
+        : new WebSocketTransport(token);
+    c.transport.onEvent = (ev) => {
+      s2s.events[ev.type] = (s2s.events[ev.type] || 0) + 1;
+      onEvent(c, ev);
+    };
+    c.transport.onClose = (why) => onClose(c, why);
+    c.transport.onTrack = (stream) => tapAnswer(c, stream);
+    if (!c.transport.serverPlays) {
+      c.player = new AudioWorkletNode(c.ctx, "s2s-player", { numberOfInputs: 0, outputChannelCount: [2] });
+      c.player.port.onmessage = (e) => onPlayer(c, e.data);
+      c.player.connect(c.ctx.destination);
+    }
+    await c.transport.connect();
   } catch (err) {
+    if (conn !== c) return; // stopped (or started again) meanwhile
+    conn = null;
     teardown(c);
-    setState("error", "Not connected");
-    showError("invalid_api_key", `This API key cannot be sent from a browser: ${err.message}`);
+    const refusal = err instanceof Refusal ? err : new Refusal("error", "connection_failed", `Cannot connect: ${err.message || err}`);
+    setState(refusal.state, refusal.state === "full" ? "Server full" : "Not connected");
+    showError(refusal.code, refusal.message);
     return;
   }
-  c.ws.onopen = () => {
-    c.opened = true;
-    send(c, { type: "session.update", session: sessionConfig() });
-  };
-  c.ws.onmessage = (e) => {
-    let ev;
-    try {
-      ev = JSON.parse(e.data);
-    } catch {
-      return;
-    }
-    s2s.events[ev.type] = (s2s.events[ev.type] || 0) + 1;
-    onEvent(c, ev);
-  };
-  c.ws.onclose = (e) => onClose(c, e);
+  if (conn !== c) return;
+  s2s.callId = c.transport.id || null;
+  c.transport.setMicrophone(micOpen(c));
+  send(c, { type: "session.update", session: sessionConfig() });
 }
 
 function stop() {
@@ -274,53 +593,32 @@ function stop() {
 }
 
 function teardown(c) {
-  if (c.ws && c.ws.readyState <= WebSocket.OPEN) c.ws.close(1000, "bye");
+  clearTimeout(c.commitTimer);
+  if (c.transport) c.transport.close();
   if (c.stream) c.stream.getTracks().forEach((t) => t.stop());
   if (c.ctx && c.ctx.state !== "closed") c.ctx.close();
 }
 
-async function onClose(c, e) {
+function onClose(c, why) {
   if (conn !== c) return;
   conn = null;
   teardown(c);
   if (s2s.state === "full") return; // already explained by the error event
-  if (e.code === 1013) {
+  if (why.code === 1013) {
+    const full = serverFull();
     setState("full", "Server full");
-    showError("session_limit_reached", "The server is full: all its sessions are in use. Try again in a moment.");
-    return;
-  }
-  if (!c.opened) {
-    // A browser sees an HTTP 401 or 403 at the handshake only as a failed socket;
-    // /readyz tells a full or draining server apart from a refused key.
-    const [code, message] = await explainRefusal();
-    if (conn) return; // the user started again meanwhile
-    setState("refused", "Not connected");
-    showError(code, message);
+    showError(full.code, full.message);
     return;
   }
   setState("closed", "Disconnected");
-  if (e.code !== 1000 && e.code !== 1005) {
-    showError("disconnected", `The connection closed (code ${e.code}${e.reason ? `: ${e.reason}` : ""}).`);
-  }
-}
-
-async function explainRefusal() {
-  // /readyz of the page's own server; another server (?ws=) cannot be asked across origins.
-  const refused = ["connection_refused", "Connection refused: check the API key."];
-  if (new URLSearchParams(location.search).get("ws")) return refused;
-  try {
-    const r = await fetch("readyz", { cache: "no-store" });
-    if (r.status === 503) {
-      return ["unavailable", "The server is not taking new sessions right now (full or draining). Try again later."];
-    }
-    return refused;
-  } catch {
-    return ["unreachable", "Cannot reach the server. Is it running?"];
+  if (why.code !== 1000 && why.code !== 1005) {
+    const what = why.code === null ? why.reason : `code ${why.code}${why.reason ? `: ${why.reason}` : ""}`;
+    showError("disconnected", `The connection closed (${what}).`);
   }
 }
 
 function send(c, event) {
-  if (c.ws && c.ws.readyState === WebSocket.OPEN) c.ws.send(JSON.stringify(event));
+  if (c.transport) c.transport.send(event);
 }
 
 function sessionConfig() {
@@ -343,14 +641,18 @@ function sessionConfig() {
 
 // --- microphone --------------------------------------------------------------------
 
+// Whether the server is to hear the microphone: always hands-free, while the button is held otherwise.
+function micOpen(c) {
+  return s2s.mode === "handsfree" || c.talking;
+}
+
 function onMicrophone(c, { pcm, level }) {
   if (conn !== c) return;
   s2s.micLevel = level;
   setLevel(level);
-  if (s2s.state !== "ready") return;
-  if (s2s.mode !== "handsfree" && !c.talking) return;
+  if (s2s.state !== "ready" || !micOpen(c)) return;
   const samples = new Int16Array(pcm);
-  send(c, { type: "input_audio_buffer.append", audio: int16ToBase64(samples) });
+  c.transport.sendAudio(samples);
   s2s.sentSamples += samples.length;
   if (c.talking) c.talkSamples += samples.length;
 }
@@ -361,9 +663,11 @@ function talkPressed() {
   interrupt(c);
   if (c.response) send(c, { type: "response.cancel" });
   send(c, { type: "input_audio_buffer.clear" });
-  c.commitPending = false; // a new turn replaces one still waiting for its answer
+  clearTimeout(c.commitTimer); // a new turn replaces one still waiting for its answer
+  c.commitPending = false;
   c.talking = true;
   c.talkSamples = 0;
+  c.transport.setMicrophone(true);
   setActivity("recording");
 }
 
@@ -371,6 +675,7 @@ function talkReleased() {
   const c = conn;
   if (!c || !c.talking) return;
   c.talking = false;
+  c.transport.setMicrophone(micOpen(c));
   if (c.talkSamples < MIN_COMMIT_SAMPLES) {
     send(c, { type: "input_audio_buffer.clear" });
     setActivity("listening");
@@ -378,10 +683,17 @@ function talkReleased() {
     return;
   }
   clearError();
-  send(c, { type: "input_audio_buffer.commit" });
-  c.commitPending = true;
   c.turnEndAt = performance.now();
   setActivity("thinking");
+  const commit = () => {
+    c.commitTimer = null;
+    if (conn !== c) return;
+    send(c, { type: "input_audio_buffer.commit" });
+    c.commitPending = true;
+  };
+  // The last words must have reached the server before the commit does.
+  if (c.transport.audioLagMs > 0) c.commitTimer = setTimeout(commit, c.transport.audioLagMs);
+  else commit();
 }
 
 function setMode(mode) {
@@ -390,6 +702,8 @@ function setMode(mode) {
   const c = conn;
   if (c) {
     c.talking = false;
+    clearTimeout(c.commitTimer);
+    if (c.transport) c.transport.setMicrophone(micOpen(c));
     if (s2s.state === "ready") {
       send(c, { type: "input_audio_buffer.clear" });
       send(c, { type: "session.update", session: sessionConfig() });
@@ -398,8 +712,26 @@ function setMode(mode) {
   setState(s2s.state);
 }
 
+function setTransport(transport) {
+  s2s.transport = transport === "websocket" || !window.RTCPeerConnection ? "websocket" : "webrtc";
+  $(s2s.transport === "webrtc" ? "transportWebRTC" : "transportWebSocket").checked = true;
+  $("endpointKind").textContent = s2s.transport === "webrtc" ? "WebRTC" : "WebSocket";
+  $("endpoint").textContent = s2s.transport === "webrtc" ? `POST ${callsUrl()}` : realtimeUrl();
+}
+
 // --- playback and barge-in ------------------------------------------------------------
 
+// The first sound of an answer after the end of the user's turn: the turn's latency.
+function firstAudio(c, itemId, at = performance.now()) {
+  if (c.turnEndAt === null) return;
+  const latencyMs = Math.round(at - c.turnEndAt);
+  c.turnEndAt = null;
+  s2s.turns.push({ userItemId: c.lastUserItem, assistantItemId: itemId, latencyMs });
+  if (itemId) setMeta(itemId, "assistant", `first audio after ${latencyMs} ms`);
+  renderLatency();
+}
+
+// WebSocket: the player worklet's reports.
 function onPlayer(c, m) {
   if (conn !== c) return;
   if (m.type === "progress") {
@@ -426,8 +758,43 @@ function onPlayer(c, m) {
   }
 }
 
+// WebRTC: the answer's track, measured as the <audio> element plays it: how much played while
+// the server said it was playing an answer, and when it first sounded after the user's turn.
+function tapAnswer(c, stream) {
+  if (conn !== c || c.answerTap) return;
+  c.answerTap = new AudioWorkletNode(c.ctx, "s2s-capture", { processorOptions: { chunkSamples: RATE / 50 } });
+  c.answerTap.port.onmessage = (e) => onAnswerAudio(c, e.data);
+  c.ctx.createMediaStreamSource(stream).connect(c.answerTap);
+  c.answerTap.connect(c.ctx.destination); // silence; keeps it pulled
+}
+
+function onAnswerAudio(c, { pcm, level }) {
+  if (conn !== c) return;
+  s2s.answerLevel = level;
+  if (!c.playing) return;
+  const samples = pcm.byteLength / 2;
+  s2s.playedSamples += samples;
+  if (level < SOUND_LEVEL) return;
+  s2s.heardSamples += samples;
+  firstAudio(c, c.items.get(c.playing));
+}
+
+// WebRTC: the server's output buffer has played a response's audio to the end, or cut it off.
+function audioEnded(c, responseId) {
+  if (c.playing !== responseId) return;
+  // No sound measured (no track, or a silent answer): its audio began when the server said so.
+  if (c.turnEndAt !== null && c.playingSince >= c.turnEndAt) firstAudio(c, c.items.get(responseId), c.playingSince);
+  c.playing = null;
+  if (s2s.activity === "speaking") setActivity("listening");
+}
+
 // Stop the assistant's voice now, if it is speaking or about to.
 function interrupt(c) {
+  if (c.transport.serverPlays) {
+    // The server cuts it off, and truncates the item at what was heard (output_audio_buffer.cleared).
+    if (c.playing || c.response) send(c, { type: "output_audio_buffer.clear" });
+    return;
+  }
   const item = c.lastAssistantItem;
   if (!item || c.interrupted.has(item)) return;
   c.interrupted.add(item);
@@ -454,7 +821,8 @@ function onEvent(c, ev) {
       c.lastUserItem = ev.item_id;
       bubble(ev.item_id, "user");
       setActivity("hearing");
-      interrupt(c); // barge-in: the server cancels the response, we stop the sound
+      // Barge-in: the server cancels the response; over WebRTC it also stops the sound (it plays it).
+      if (!c.transport.serverPlays) interrupt(c);
       break;
     case "input_audio_buffer.speech_stopped":
       c.turnEndAt = performance.now();
@@ -488,6 +856,7 @@ function onEvent(c, ev) {
     case "response.output_item.added":
       if (ev.item && ev.item.type === "message") {
         if (c.response && c.response.id === ev.response_id) c.response.itemId = ev.item.id;
+        c.items.set(ev.response_id, ev.item.id);
         c.lastAssistantItem = ev.item.id;
         bubble(ev.item.id, "assistant");
       }
@@ -514,6 +883,26 @@ function onEvent(c, ev) {
     case "response.done":
       onResponseDone(c, ev.response);
       break;
+    // WebRTC: what the server's output buffer (the answer's track) is doing.
+    case "output_audio_buffer.started":
+      c.playing = ev.response_id;
+      c.playingSince = performance.now();
+      setActivity("speaking");
+      break;
+    case "output_audio_buffer.stopped":
+      audioEnded(c, ev.response_id);
+      break;
+    case "output_audio_buffer.cleared": {
+      // A barge-in: the server cut the answer off (its conversation.item.truncated follows).
+      const item = c.items.get(ev.response_id) || null;
+      s2s.cleared.push({ responseId: ev.response_id, itemId: item });
+      if (item) {
+        c.interrupted.add(item);
+        bubble(item, "assistant").classList.add("interrupted");
+      }
+      audioEnded(c, ev.response_id);
+      break;
+    }
     case "conversation.item.truncated":
       s2s.truncated.push({ itemId: ev.item_id, audioEndMs: ev.audio_end_ms });
       setMeta(ev.item_id, "assistant", `interrupted after ${(ev.audio_end_ms / 1000).toFixed(1)} s`);
@@ -536,6 +925,7 @@ function onEvent(c, ev) {
   }
 }
 
+// WebSocket: a chunk of the answer's audio, to the player worklet.
 function onAudio(c, ev) {
   if (c.interrupted.has(ev.item_id)) return; // late audio of an answer we cut
   const pcm = base64ToInt16(ev.delta || "");
@@ -543,13 +933,7 @@ function onAudio(c, ev) {
   const r = c.response;
   if (r && !r.firstAudio) {
     r.firstAudio = true;
-    if (c.turnEndAt !== null) {
-      const latencyMs = Math.round(performance.now() - c.turnEndAt);
-      c.turnEndAt = null;
-      s2s.turns.push({ userItemId: c.lastUserItem, assistantItemId: ev.item_id, latencyMs });
-      setMeta(ev.item_id, "assistant", `first audio after ${latencyMs} ms`);
-      renderLatency();
-    }
+    firstAudio(c, ev.item_id);
   }
   c.lastAssistantItem = ev.item_id;
   c.player.port.postMessage({ type: "push", item: ev.item_id, pcm: pcm.buffer }, [pcm.buffer]);
@@ -570,8 +954,9 @@ function onResponseDone(c, r) {
 
 function onServerError(c, err) {
   if (err.code === "session_limit_reached") {
+    const full = serverFull();
     setState("full", "Server full");
-    showError(err.code, "The server is full: all its sessions are in use. Try again in a moment.");
+    showError(err.code, full.message);
     return;
   }
   // A cancel that crossed the answer's end on the wire is harmless.
@@ -587,11 +972,18 @@ function init() {
   const mode = params.get("mode") || localStorage.getItem("s2s-rt.mode") || "talk";
   s2s.mode = mode === "handsfree" ? "handsfree" : "talk";
   $(s2s.mode === "handsfree" ? "modeHandsFree" : "modeTalk").checked = true;
-  $("apiKey").value = localStorage.getItem("s2s-rt.apiKey") || "";
-  $("apiKey").addEventListener("change", () => localStorage.setItem("s2s-rt.apiKey", $("apiKey").value.trim()));
-  $("endpoint").textContent = realtimeUrl();
+  setTransport(params.get("transport") || localStorage.getItem("s2s-rt.transport") || "webrtc");
+  // Earlier versions of this page kept the key field in localStorage: a key must not be kept.
+  localStorage.removeItem("s2s-rt.apiKey");
   for (const radio of document.querySelectorAll('input[name="mode"]')) {
     radio.addEventListener("change", () => radio.checked && setMode(radio.value));
+  }
+  for (const radio of document.querySelectorAll('input[name="transport"]')) {
+    radio.addEventListener("change", () => {
+      if (!radio.checked) return;
+      setTransport(radio.value);
+      localStorage.setItem("s2s-rt.transport", s2s.transport);
+    });
   }
   $("start").addEventListener("click", () => {
     if (conn) stop();
