@@ -476,3 +476,29 @@ def test_media_binds_within_the_configured_port_range() -> None:
                 await call.close()
 
     run(scenario())
+
+
+def test_a_call_flooding_its_data_channel_is_refused_and_ended_alone() -> None:
+    async def scenario() -> None:
+        async with live_server(max_events_per_s=50, max_events_burst=50, flood_close_s=1.0) as server:
+            calm = await CallClient.open(base_url(server), "unused")
+            flood = await CallClient.open(base_url(server), "unused")
+            try:
+                await calm.next_event("session.created")
+                await flood.next_event("session.created")
+                frame = json.dumps({"type": "conversation.item.retrieve", "item_id": "nope"})
+                for _ in range(3000):
+                    flood.channel.send(frame)
+                codes = set()
+                while "rate_limit_exceeded" not in codes:
+                    codes.add((await flood.next_event("error", 10))["error"]["code"])
+                # The flooding call ends; the calm one still has a turn.
+                assert await eventually(lambda: _free(server, len(server.pool.slots) - 1), 15)
+                calm.speak(tone(440, 0.8) + silence(1.2))
+                done = await calm.next_event("response.done", 15)
+                assert done["response"]["status"] == "completed"
+            finally:
+                await calm.close()
+                await flood.close()
+
+    run(scenario())

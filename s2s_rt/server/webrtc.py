@@ -56,6 +56,8 @@ HEARD_DELAY_MS = 60.0
 #: The data channel's events wait while more than this is buffered for the client (its ``bufferedAmount``).
 CHANNEL_HIGH_WATER = 1 << 20
 EVENTS_LABEL = "oai-events"
+#: Events a call's data channel may have delivered and its session not yet read before the call ends.
+MAX_WAITING_EVENTS = 4096
 
 
 class CallClosed(ConnectionClosed):
@@ -301,8 +303,15 @@ class Call:
         self.channel = channel
 
         def message(data: str | bytes) -> None:
-            if not self.gone.is_set():
-                self.inbox.put_nowait(data)
+            if self.gone.is_set():
+                return
+            if self.inbox.qsize() >= MAX_WAITING_EVENTS:
+                # The session's loop refuses a flood at its rate limit; events it has not even read
+                # yet are not kept without bound: a client this far ahead is ended.
+                log.warning("call %s: %d events waiting to be read; ending it", self.id, MAX_WAITING_EVENTS)
+                self.end("flooded its data channel")
+                return
+            self.inbox.put_nowait(data)
 
         channel.on("message", message)
         channel.on("close", lambda: self.end("data channel closed"))
@@ -329,7 +338,13 @@ class Call:
             hear = self.hear
             if hear is None:
                 continue
-            hear(mono_pcm16(frame))
+            try:
+                hear(mono_pcm16(frame))
+            except Exception:
+                # This call's share of the hearing failed: it ends, alone.
+                log.exception("call %s: its audio could not be heard; ending it", self.id)
+                self.end("internal error while hearing its audio")
+                return
 
     async def _drained(self, channel: Any) -> None:
         low = asyncio.Event()
