@@ -7,7 +7,7 @@ MODELS := $(VENV)/.models-installed
 ARGS   ?=
 PYTEST_ARGS ?=
 
-.PHONY: install models llama-server serve test bench bench-llm soak fuzz lint clean
+.PHONY: install models llama-server agents-js serve test bench bench-llm soak fuzz lint clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -65,7 +65,22 @@ serve: install
 	$(BIN)/s2s-rt models prepare
 	$(BIN)/s2s-rt serve $(ARGS)
 
-test: models llama-server
+# The browser bundle of @openai/agents-realtime that tests/test_agents_realtime_browser.py drives in
+# Chromium (Node 20 and npm): `npm ci` when the lock file changes, esbuild when the entry does.
+AGENTS_JS_DIR := tests/js
+AGENTS_JS     := $(AGENTS_JS_DIR)/build/agents-realtime.js
+
+$(AGENTS_JS_DIR)/node_modules/.installed: $(AGENTS_JS_DIR)/package.json $(AGENTS_JS_DIR)/package-lock.json
+	cd $(AGENTS_JS_DIR) && npm ci --ignore-scripts --no-audit --no-fund
+	touch $@
+
+$(AGENTS_JS): $(AGENTS_JS_DIR)/node_modules/.installed $(AGENTS_JS_DIR)/entry.js
+	cd $(AGENTS_JS_DIR) && npx --no-install esbuild entry.js --bundle --format=esm --log-level=warning \
+		--outfile=build/agents-realtime.js
+
+agents-js: $(AGENTS_JS)
+
+test: models llama-server agents-js
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # Latency, capacity and memory as in BENCHMARKS.md (about 20 minutes on 2 cores).
@@ -91,4 +106,4 @@ lint: install
 	$(BIN)/mypy s2s_rt
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis $(AGENTS_JS_DIR)/node_modules $(AGENTS_JS_DIR)/build

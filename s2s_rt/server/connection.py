@@ -238,7 +238,14 @@ class Connections:
         watchdog = asyncio.create_task(self._watch(call, slot, activity), name=f"slot{slot.index}-watchdog")
         ctx = slot.ctx
         assert ctx is not None
-        call.hear = functools.partial(slot.dispatch.media_audio, ctx, HEARD_FORMAT)
+        hear = functools.partial(slot.dispatch.media_audio, ctx, HEARD_FORMAT)
+
+        def heard(pcm: bytes) -> None:
+            # The caller's audio is its activity, as appends are a WebSocket's (idle_session_s counts from it).
+            activity.last = loop.time()
+            hear(pcm)
+
+        call.hear = heard
         try:
             while True:
                 inbox = asyncio.ensure_future(call.inbox.get())

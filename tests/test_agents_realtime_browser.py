@@ -1,0 +1,190 @@
+"""OpenAI's Agents SDK for JavaScript (``@openai/agents-realtime``) in headless Chromium, against our server.
+
+The page (``tests/js/index.html``, the bundle ``make agents-js`` builds from
+``tests/js/entry.js``) runs a ``RealtimeSession`` of a ``RealtimeAgent`` with one
+function tool, on the SDK's browser transport ``OpenAIRealtimeWebRTC`` whose
+``baseUrl`` (the SDK's name for the full calls URL) is our
+``POST /v1/realtime/calls``; the key is an ``ek_`` client secret minted with the
+API key, as a browser app's backend would (the SDK refuses a plain key in a
+browser). The page is served from another port, so the offer goes cross-origin
+(a CORS preflight). Chromium's fake microphone plays a tone, then silence, in a
+loop; the server is the fake stack (``s2s_rt.engines.fake``). The browser, the
+DevTools driver and the server process come from :mod:`test_browser`.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import threading
+import urllib.request
+from collections.abc import Iterator
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import requires
+from test_browser import CHROMIUM, Browser, Page, ServerProcess, chromium, fake_server, write_mic_wav
+
+JS = Path(__file__).resolve().parent / "js"
+BUNDLE = JS / "build" / "agents-realtime.js"
+KEY = "sk-agents-js-test"
+
+
+def _bundle_is_current() -> bool:
+    sources = [JS / "entry.js", JS / "package-lock.json"]
+    return BUNDLE.is_file() and all(BUNDLE.stat().st_mtime >= s.stat().st_mtime for s in sources)
+
+
+pytestmark = [
+    requires(CHROMIUM, "chromium is not installed (apt-get install chromium)"),
+    requires(_bundle_is_current(), f"{BUNDLE} is missing or older than its sources: run `make agents-js` (Node, npm)"),
+]
+
+
+class _Quiet(SimpleHTTPRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def page_url() -> Iterator[str]:
+    """``tests/js`` over HTTP on its own port of 127.0.0.1 (a secure context, another origin than the server's)."""
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Quiet, directory=str(JS)))
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}/index.html"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    with fake_server("--pool-size", "2", "--api-key", KEY) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Browser]:
+    """A microphone that says one 1 s turn every 5 s: the answer is over long before the next one."""
+    wav = write_mic_wav(tmp_path_factory.mktemp("mic") / "turn.wav", lead_s=0.3, tone_s=1.0, tail_s=3.7)
+    with chromium(wav) as b:
+        yield b
+
+
+def mint_secret(server: ServerProcess) -> str:
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{server.port}/v1/realtime/client_secrets",
+        data=json.dumps({"expires_after": {"anchor": "created_at", "seconds": 600}}).encode(),
+        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+        method="POST",
+    )
+    with urllib.request.urlopen(request, timeout=5) as r:
+        value = str(json.load(r)["value"])
+    assert value.startswith("ek_")
+    return value
+
+
+@pytest.fixture
+def session(browser: Browser, server: ServerProcess, page_url: str) -> Iterator[Page]:
+    """A page whose RealtimeSession is connected to the server over WebRTC."""
+    page = browser.new_page(page_url)
+    config = {"callsUrl": f"http://127.0.0.1:{server.port}/v1/realtime/calls", "apiKey": mint_secret(server)}
+    page.eval(f"window.agentsConfig = {json.dumps(config)}")
+    page.click("start")
+    try:
+        page.wait_for("s2s.state !== 'connecting' && s2s.state !== 'idle'", timeout=20)
+        assert page.eval("s2s.state") == "connected", (page.eval("s2s.error"), server.log[-20:])
+        assert re.fullmatch(r"rtc_[A-Za-z0-9_-]+", page.eval("s2s.callId") or ""), page.eval("s2s.callId")
+        # connect() resolved on the server's session.updated (not on the SDK's 5 s fallback), tools and all.
+        update = page.eval("s2s.sent.find((e) => e.type === 'session.update' && e.session.tools)")
+        assert [t["name"] for t in update["session"]["tools"]] == ["get_weather"]
+        updated = page.eval("s2s.transportEvents.filter((e) => e.type === 'session.updated').map((e) => e.session)")
+        assert any([t["name"] for t in s.get("tools", [])] == ["get_weather"] for s in updated), updated
+        yield page
+        assert page.eval("s2s.errors") == [], server.log[-30:]
+    finally:
+        try:
+            page.eval("window.session && window.session.close()")
+        finally:
+            browser.close_pages()
+
+
+def events(page: Page, kind: str) -> list[dict[str, Any]]:
+    return list(page.eval(f"s2s.transportEvents.filter((e) => e.type === {json.dumps(kind)})"))
+
+
+def test_a_spoken_turn_from_the_microphone_gets_a_spoken_answer(session: Page) -> None:
+    page = session
+    done = page.wait_for(
+        "s2s.transportEvents.find((e) => e.type === 'response.done'"
+        " && e.response.output.some((o) => o.type === 'message'))",
+        timeout=20,
+    )
+    transcript = events(page, "conversation.item.input_audio_transcription.completed")[0]["transcript"]
+    assert re.fullmatch(r"heard \d+ ms crc [0-9a-f]{8}", transcript), transcript
+    assert done["response"]["status"] == "completed", done
+    message = next(o for o in done["response"]["output"] if o["type"] == "message")
+    spoken = message["content"][0]
+    assert spoken["type"] == "output_audio" and spoken["transcript"] == f"You said: {transcript}.", spoken
+    # The answer played on the track: the server says it started and stopped, the SDK that its audio is done.
+    response_id = done["response"]["id"]
+    page.wait_for(
+        "s2s.transportEvents.some((e) => e.type === 'output_audio_buffer.stopped'"
+        f" && e.response_id === {json.dumps(response_id)})"
+    )
+    assert any(e["response_id"] == response_id for e in events(page, "output_audio_buffer.started"))
+    assert page.eval("s2s.audioStopped") >= 1
+    stats = page.eval("audioStats()")
+    assert stats["outbound"]["packetsSent"] > 0 and stats["inbound"]["packetsReceived"] > 0, stats
+    assert stats["inbound"]["totalAudioEnergy"] > 0, stats  # not only silence came back
+    # The SDK's history: the user's audio item with its transcript (fetched by conversation.item.retrieve),
+    # the assistant's answer with the same words as its audio.
+    page.wait_for(
+        "s2s.history.some((i) => i.role === 'user' && i.content.some((c) => c.type === 'input_audio' && c.transcript))"
+    )
+    history = page.eval("s2s.history")
+    user = next(i for i in history if i.get("role") == "user")
+    assert user["content"][0]["transcript"] == transcript, user
+    assistant = next(i for i in history if i.get("role") == "assistant" and i["itemId"] == message["id"])
+    assert assistant["content"][0]["transcript"] == f"You said: {transcript}.", assistant
+
+
+def test_a_tool_call_runs_the_agents_tool_and_its_result_comes_back_in_the_answer(session: Page) -> None:
+    page = session
+    page.eval("session.mute(true)")  # the microphone is out of the way: no barge-in on this turn
+    page.eval("session.sendMessage('please get_weather Paris')")
+    page.wait_for("s2s.toolEnds.length > 0", timeout=20)
+    assert page.eval("s2s.toolStarts") == ["get_weather"]
+    assert page.eval("s2s.toolRuns") == [{"city": "Paris"}]
+    assert page.eval("s2s.toolEnds") == [["get_weather", "sunny in Paris"]]
+    call = next(e["item"] for e in events(page, "response.output_item.done") if e["item"]["type"] == "function_call")
+    assert call["name"] == "get_weather" and json.loads(call["arguments"]) == {"city": "Paris"}, call
+    # The SDK sent the result back, and asked for the answer; the server took the item into the conversation.
+    sent = page.eval("s2s.sent")
+    output_at = next(i for i, e in enumerate(sent) if e.get("item", {}).get("type") == "function_call_output")
+    assert sent[output_at]["type"] == "conversation.item.create", sent[output_at]
+    output = {"type": "function_call_output", "output": "sunny in Paris", "call_id": call["call_id"]}
+    assert sent[output_at]["item"] == output, sent[output_at]
+    assert any(e["type"] == "response.create" for e in sent[output_at + 1 :]), sent[output_at:]
+    page.wait_for(
+        "s2s.transportEvents.some((e) => e.type === 'conversation.item.added'"
+        f" && e.item.type === 'function_call_output' && e.item.call_id === {json.dumps(call['call_id'])})"
+    )
+    answer = "You said: the result is sunny in Paris."
+    page.wait_for(f"s2s.agentEnds.includes({json.dumps(answer)})", timeout=20)
+    done = page.eval(
+        "s2s.transportEvents.filter((e) => e.type === 'response.done').find((e) => e.response.output.some("
+        f"(o) => o.type === 'message' && o.content.some((c) => c.transcript === {json.dumps(answer)})))"
+    )
+    assert done is not None and done["response"]["status"] == "completed"
+    page.wait_for(
+        "s2s.transportEvents.some((e) => e.type === 'output_audio_buffer.stopped'"
+        f" && e.response_id === {json.dumps(done['response']['id'])})"
+    )
+    tool_item = next(i for i in page.eval("s2s.history") if i.get("type") == "function_call")
+    assert tool_item["status"] == "completed" and tool_item["output"] == "sunny in Paris", tool_item
