@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 from aiortc import RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
+from av import AudioFrame
 
 from s2s_rt.audio import AudioFormat
 from s2s_rt.server.webrtc import EVENTS_LABEL, HEARD_FORMAT, Playback, mono_pcm16
@@ -100,6 +101,7 @@ class CallClient:
                 frame = await track.recv()
             except MediaStreamError:
                 return
+            assert isinstance(frame, AudioFrame)
             self.heard.append((time.perf_counter(), mono_pcm16(frame)))
 
     def send(self, event: dict[str, Any]) -> None:

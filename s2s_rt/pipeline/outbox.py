@@ -41,13 +41,16 @@ class Channel(Protocol):
         close_code: the close code, once closed.
     """
 
-    media: Playback | None
-    close_code: int | None
+    @property
+    def media(self) -> Playback | None: ...
+
+    @property
+    def close_code(self) -> int | None: ...
 
     @property
     def is_open(self) -> bool: ...
 
-    async def send(self, data: bytes, text: bool = ...) -> None:
+    async def send(self, message: Any, *, text: bool | None = ...) -> None:
         """Send one event; raises ``ConnectionClosed`` when the client is gone."""
 
     async def close(self, code: int = 1000, reason: str = "") -> None: ...

@@ -181,7 +181,7 @@ class DirectConnection(ServerConnection):
         elif self._later is None:
             self._feed_later()
 
-    def eof_received(self) -> bool | None:
+    def eof_received(self) -> bool | None:  # type: ignore[override]
         if self._post is not None:
             # A client may half-close after its body: the transport stays open for the answer.
             self._post.eof()

@@ -134,7 +134,12 @@ class Routes:
             operator = bool(self.config.api_keys) and authorized(self.config.api_keys, request, subprotocol=False)
             response = self.calls.hangup(match.group(1), request, operator or not self.config.api_keys)
         else:
-            response = self._route(peer, request)  # type: ignore[arg-type]
+            routed = self._route(peer, request)  # type: ignore[arg-type]
+            # None: a session path, which opens by a WebSocket handshake (GET), not by a POST.
+            response = routed or plain(
+                HTTPStatus.METHOD_NOT_ALLOWED,
+                f"{path} opens a session by a WebSocket handshake (GET); WebRTC offers go to POST {CALLS_PATH}\n",
+            )
         return self._cors(request, response)
 
     def _client(self, peer: Peer, request: Request) -> str:

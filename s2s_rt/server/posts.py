@@ -86,7 +86,7 @@ class Exchange:
                     return
                 if isinstance(event, h11.Request):
                     self.request = event
-                    length = _header(event.headers, b"content-length")
+                    length = _header(list(event.headers), b"content-length")
                     if length is not None and length.isdigit() and int(length) > MAX_BODY:
                         self._reply(plain(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"at most {MAX_BODY} bytes\n"))
                         return
@@ -142,15 +142,16 @@ class Exchange:
     def _write(self, response: Response, unread: bool = False) -> None:
         if self.transport.is_closing():
             return
+        body = bytes(response.body)
         headers = [(k, v) for k, v in response.headers.raw_items() if k.lower() not in ("content-length", "connection")]
-        headers += [("Content-Length", str(len(response.body))), ("Connection", "close"), ("Server", "s2s-rt")]
+        headers += [("Content-Length", str(len(body))), ("Connection", "close"), ("Server", "s2s-rt")]
         try:
             out = self.h11.send(h11.Response(status_code=response.status_code, headers=headers))
-            out = (out or b"") + (self.h11.send(h11.Data(data=response.body)) or b"") if response.body else out
+            out = (out or b"") + (self.h11.send(h11.Data(data=body)) or b"") if body else out
             out = (out or b"") + (self.h11.send(h11.EndOfMessage()) or b"")
         except h11.LocalProtocolError:
             # h11 is in an error state (the request was malformed): write the answer by its own rules.
-            out = _plain_bytes(response.status_code, headers, response.body)
+            out = _plain_bytes(response.status_code, headers, body)
         self.transport.write(out)
         if unread and self.transport.can_write_eof():
             # The client may still be sending: closing now would reset the connection before it reads the

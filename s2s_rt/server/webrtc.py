@@ -229,11 +229,11 @@ class Call:
     def is_open(self) -> bool:
         return not self.gone.is_set()
 
-    async def send(self, data: bytes | str, text: bool = True) -> None:
+    async def send(self, message: Any, *, text: bool | None = True) -> None:
         channel = self.channel
         if self.gone.is_set() or channel is None or channel.readyState != "open":
             raise CallClosed
-        channel.send(data.decode() if isinstance(data, bytes) else data)
+        channel.send(bytes(message).decode() if isinstance(message, (bytes, bytearray, memoryview)) else message)
         if channel.bufferedAmount > CHANNEL_HIGH_WATER:
             await self._drained(channel)
 
@@ -336,6 +336,8 @@ class Call:
             except MediaStreamError:
                 return
             hear = self.hear
+            if not isinstance(frame, AudioFrame):
+                continue
             if hear is None:
                 continue
             try:
@@ -420,7 +422,7 @@ def bind_media_in(ports: range) -> None:
         raise OSError(f"no free UDP port for media in {ports.start}-{ports.stop - 1}")
 
     in_range.media_ports = ports  # type: ignore[attr-defined]
-    loop.create_datagram_endpoint = in_range  # type: ignore[method-assign]
+    loop.create_datagram_endpoint = in_range  # type: ignore[method-assign,assignment]
 
 
 def ice_configuration(servers: list[str]) -> RTCConfiguration:
