@@ -502,3 +502,25 @@ def test_a_call_flooding_its_data_channel_is_refused_and_ended_alone() -> None:
                 await flood.close()
 
     run(scenario())
+
+
+def test_calls_count_against_the_per_address_limit_as_websockets_do() -> None:
+    async def scenario() -> None:
+        async with live_server(max_connections_per_ip=2) as server:
+            call = await CallClient.open(base_url(server), "unused")
+            try:
+                async with RealtimeClient.connect(server) as ws:
+                    await ws.until("session.created")
+                    with pytest.raises(APIStatusError) as refused:
+                        await CallClient.open(base_url(server), "unused")
+                    assert refused.value.status_code == 429 and refused.value.code == "too_many_connections"
+                    async with RealtimeClient.connect(server) as third:
+                        assert (await third.until("error"))["error"]["code"] == "too_many_connections"
+            finally:
+                await call.close()
+            # Once the call has ended, its address may call again.
+            assert await eventually(lambda: _free(server, len(server.pool.slots)), 5)
+            again = await CallClient.open(base_url(server), "unused")
+            await again.close()
+
+    run(scenario())

@@ -107,6 +107,12 @@ class Calls:
         except ProtocolError as exc:
             return api_error(HTTPStatus.BAD_REQUEST, exc.code, exc.message, exc.param)
         secret = connections.secret_of(request)
+        limit = self.config.max_connections_per_ip
+        if limit and connections.per_ip.get(client, 0) >= limit:
+            # A call counts as a connection of its address, as a WebSocket does.
+            connections.metrics.rejections.inc(reason="too_many_connections")
+            text = f"At most {limit} concurrent connections per client address"
+            return api_error(HTTPStatus.TOO_MANY_REQUESTS, "too_many_connections", text)
         slot = await connections.admit()
         if isinstance(slot, Refusal):
             connections.metrics.rejections.inc(reason=slot.code)
@@ -133,6 +139,7 @@ class Calls:
                 return api_error(HTTPStatus.BAD_REQUEST, "invalid_offer", f"The SDP offer cannot be answered: {exc}")
             raise
         self.calls[call.id] = call
+        connections.per_ip[client] = connections.per_ip.get(client, 0) + 1
         task = asyncio.get_running_loop().create_task(self._serve(call, slot, session, client), name=call.id)
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
@@ -167,6 +174,10 @@ class Calls:
         finally:
             call.end(call.why or "session ended")
             self.calls.pop(call.id, None)
+            per_ip = self.connections.per_ip
+            per_ip[client] -= 1
+            if not per_ip[client]:
+                del per_ip[client]
             await call.wait_closed()
 
     def hangup(self, call_id: str, request: Request, operator: bool) -> Response:
