@@ -17,6 +17,8 @@ import numpy as np
 import pytest
 from conformance import validate_server_event
 from conftest import RealtimeClient, eventually, http_get, live_server, run, silence, tone
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from openai import APIStatusError, AsyncOpenAI, AuthenticationError, BadRequestError
 from openai.types.realtime import ClientSecretCreateResponse
 from websockets.asyncio.client import connect
@@ -524,3 +526,84 @@ def test_calls_count_against_the_per_address_limit_as_websockets_do() -> None:
             await again.close()
 
     run(scenario())
+
+
+# --- interleavings a generator picks ------------------------------------------------------
+
+CALL_STEPS = st.sampled_from(
+    ["open", "stray", "speak", "junk", "huge", "clear", "update", "close_channel", "close_peer", "hangup", "wait"]
+)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.lists(st.tuples(CALL_STEPS, st.integers(0, 2)), min_size=4, max_size=14))
+def test_calls_doing_anything_in_any_order_leave_the_pool_whole_and_a_calm_session_answered(
+    steps: list[tuple[str, int]],
+) -> None:
+    """Up to three calls do random things in a random order (open, never connect, speak, send junk or a
+    message larger than a call may carry, clear, reconfigure, close their channel or peer, hang up)
+    while a calm WebSocket session asks a question: it gets its answer, and afterwards every slot is
+    idle and no call is left."""
+
+    async def scenario() -> None:
+        async with live_server(pool_size=4, call_timeout_s=1.0) as server:
+            from aiortc import RTCPeerConnection
+
+            calls: list[CallClient | None] = [None, None, None]
+            strays: list[Any] = []
+            async with RealtimeClient.connect(server) as calm:
+                await calm.until("session.created")
+                asked = asyncio.create_task(calm.say_text("calm question"))
+                for step, who in steps:
+                    call = calls[who]
+                    try:
+                        if step == "open" and call is None:
+                            calls[who] = await CallClient.open(base_url(server), "unused", timeout=5)
+                        elif step == "stray":
+                            pc = RTCPeerConnection()
+                            pc.createDataChannel("oai-events")
+                            pc.addTransceiver("audio")
+                            await pc.setLocalDescription(await pc.createOffer())
+                            client = AsyncOpenAI(base_url=base_url(server), api_key="unused", max_retries=0)
+                            try:
+                                await client.realtime.calls.create(sdp=pc.localDescription.sdp)
+                            finally:
+                                await client.close()
+                            strays.append(pc)
+                        elif call is None or call.channel.readyState != "open":
+                            await asyncio.sleep(0.05)
+                        elif step == "speak":
+                            call.speak(tone(300 + 100 * who, 0.4) + silence(0.8))
+                        elif step == "junk":
+                            call.send({"type": "response.create", "response": {"modalities": 7}})
+                            call.channel.send("{not json")
+                        elif step == "huge":
+                            call.channel.send(json.dumps({"type": "session.update", "x": "y" * 60_000}))
+                        elif step == "clear":
+                            call.send({"type": "output_audio_buffer.clear"})
+                        elif step == "update":
+                            call.send({"type": "session.update", "session": {"type": "realtime", "instructions": "x"}})
+                        elif step == "close_channel":
+                            call.channel.close()
+                        elif step == "close_peer":
+                            await call.close()
+                        elif step == "hangup" and call.call_id:
+                            await http_get(server, f"/v1/realtime/calls/{call.call_id}/hangup", method="POST")
+                        elif step == "wait":
+                            await asyncio.sleep(0.3)
+                    except APIStatusError as exc:
+                        assert exc.status_code == 503  # the pool was full: refused, as it should be
+                    except TimeoutError:
+                        pass  # a call that did not open in time (the pool was full, or the machine busy)
+                done = await asyncio.wait_for(asked, 20)
+                assert done["response"]["status"] == "completed"
+            for call in calls:
+                if call is not None:
+                    await call.close()
+            for pc in strays:
+                await pc.close()
+            assert await eventually(lambda: _free(server, 4), 10), server.pool.states()
+            assert not server.calls.calls
+            assert server.pool.states()["quarantined"] == 0
+
+    run(scenario(), timeout=90)
