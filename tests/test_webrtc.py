@@ -607,3 +607,28 @@ def test_calls_doing_anything_in_any_order_leave_the_pool_whole_and_a_calm_sessi
             assert server.pool.states()["quarantined"] == 0
 
     run(scenario(), timeout=90)
+
+
+def test_clearing_after_an_answer_has_all_played_cuts_nothing_off() -> None:
+    async def scenario() -> None:
+        async with live_server() as server:
+            call = await CallClient.open(base_url(server), "unused")
+            try:
+                await call.next_event("session.created")
+                call.send(
+                    {
+                        "type": "conversation.item.create",
+                        "item": {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+                    }
+                )
+                call.send({"type": "response.create"})
+                await call.next_event("output_audio_buffer.stopped", 10)
+                call.send({"type": "output_audio_buffer.clear"})
+                call.send({"type": "conversation.item.retrieve", "item_id": "none"})  # a marker: all before it is in
+                await call.next_event("error", 5)
+                types = [e["type"] for e in call.events]
+                assert "conversation.item.truncated" not in types and "output_audio_buffer.cleared" not in types
+            finally:
+                await call.close()
+
+    run(scenario())

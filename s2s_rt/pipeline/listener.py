@@ -284,7 +284,7 @@ class Listener:
             events += session.cancel_response("turn_detected")
             self.stage.metrics.turns.inc(status="cancelled")
         media = ctx.channel.media
-        if media is not None and td is not None and td.interrupt_response and media.playing is not None:
+        if media is not None and td is not None and td.interrupt_response and media.busy:
             # A call's audio is played here: what is not yet heard is dropped, and the item truncated at what was.
             events += session.cut_off(*media.clear())
         self._emit(ctx, events)

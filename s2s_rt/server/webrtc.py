@@ -125,21 +125,31 @@ class Playback(MediaStreamTrack):
     def queued_ms(self) -> float:
         return 1000 * sum(len(c.samples) - c.at for c in self._queue) / PLAY_RATE
 
+    @property
+    def busy(self) -> bool:
+        """Whether audio is playing or waiting to play."""
+        return self.playing is not None or bool(self._queue)
+
     def clear(self) -> tuple[str | None, str | None, float]:
         """Drop the audio not yet played.
 
         Returns:
-            The response that was playing (None: nothing was), the item whose audio played last and how
-            many ms of it were heard (played, less :data:`HEARD_DELAY_MS` still on its way).
+            The response whose audio was playing (None: none had begun), the item whose audio was cut
+            (None: nothing was waiting either) and how many ms of it were heard (played, less
+            :data:`HEARD_DELAY_MS` still on its way; 0 for audio that had not begun).
         """
         playing = self.playing
+        if playing is not None:
+            item = self.item_id
+        else:
+            item = self._queue[0].item_id if self._queue else None
         for chunk in self._queue:
             self._cleared.add(chunk.response_id)
         if playing is not None:
             self._cleared.add(playing)
         self._queue.clear()
         self.playing = None
-        item = self.item_id
+        self.item_id = None
         played = self.played_ms.get(item, 0.0) if item is not None else 0.0
         return playing, item, max(0.0, played - HEARD_DELAY_MS)
 
@@ -185,6 +195,7 @@ class Playback(MediaStreamTrack):
     def _stopped(self, response_id: str) -> None:
         self._finished.discard(response_id)
         self.playing = None
+        self.item_id = None  # all of it was heard: nothing of it is cut off later
         self.notify("stopped", response_id)
 
 
