@@ -7,6 +7,14 @@ on, so no browser-automation package is needed; clicks are real input
 events, so the page gets the user gesture audio needs. The server is the
 fake stack, run as ``python -m s2s_rt serve`` on a free port.
 
+The page talks over WebRTC by default (a call: the microphone on a media
+track, the answer on the remote one, the events on the ``oai-events`` data
+channel) and over a WebSocket when chosen; the conversation tests run over
+both. The page is instrumented before it starts (``INSTRUMENT``): what it
+fetches, the subprotocols it offers, the events it sends on the data channel,
+and its peer connections, whose ``getStats()`` tell what audio it sent and
+received.
+
 Chromium comes from the system (Debian: ``apt-get install chromium``); the
 tests skip when it is missing (and fail in CI); ``CHROMIUM=/path/to/chrome``
 picks another binary. Set ``S2S_RT_SCREENSHOTS=DIR`` to keep screenshots of the page in the
@@ -25,6 +33,8 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
+import urllib.request
 import wave
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -307,21 +317,135 @@ def browser(shared_chromium: Browser) -> Iterator[Browser]:
     shared_chromium.close_pages()
 
 
-def start_hands_free(browser: Browser, server: ServerProcess) -> Page:
-    page = browser.new_page(server.url + "?mode=handsfree")
+TRANSPORTS = ["webrtc", "websocket"]
+
+# Run in a page before it starts: records what it sends (fetches, WebSocket subprotocols, data-channel
+# events) and keeps its peer connections, so a test can read their statistics.
+INSTRUMENT = """
+(() => {
+  const seen = (window.seen = { fetches: [], protocols: [], sent: [], pcs: [] });
+  const fetch0 = window.fetch;
+  window.fetch = (url, init = {}) => {
+    const headers = new Headers(init.headers || {});
+    seen.fetches.push({
+      url: new URL(url, location.href).href,
+      method: init.method || "GET",
+      authorization: headers.get("Authorization"),
+      candidates: typeof init.body === "string" ? (init.body.match(/^a=candidate:/gm) || []).length : null,
+    });
+    return fetch0(url, init);
+  };
+  const WebSocket0 = window.WebSocket;
+  window.WebSocket = class extends WebSocket0 {
+    constructor(url, protocols) {
+      super(url, protocols);
+      seen.protocols.push(...[].concat(protocols || []));
+    }
+  };
+  const PeerConnection0 = window.RTCPeerConnection;
+  window.RTCPeerConnection = class extends PeerConnection0 {
+    constructor(...args) {
+      super(...args);
+      seen.pcs.push(this);
+    }
+  };
+  const send0 = RTCDataChannel.prototype.send;
+  RTCDataChannel.prototype.send = function (data) {
+    seen.sent.push({ label: this.label, type: JSON.parse(data).type });
+    return send0.call(this, data);
+  };
+  return true;
+})()
+"""
+
+# The answer's track as the page's peer connection received it (inbound-rtp audio), summed over its streams.
+INBOUND_AUDIO = """
+(async () => {
+  const totals = { packetsReceived: 0, totalSamplesReceived: 0, totalAudioEnergy: 0 };
+  for (const pc of window.seen.pcs) {
+    (await pc.getStats()).forEach((r) => {
+      if (r.type === "inbound-rtp" && r.kind === "audio") {
+        for (const k in totals) totals[k] += r[k] || 0;
+      }
+    });
+  }
+  return totals;
+})()
+"""
+
+# What the page's microphone track gave its peer connection to send (media-source audio), summed.
+SENT_AUDIO_ENERGY = """
+(async () => {
+  let energy = 0;
+  for (const pc of window.seen.pcs) {
+    (await pc.getStats()).forEach((r) => {
+      if (r.type === "media-source" && r.kind === "audio") energy += r.totalAudioEnergy || 0;
+    });
+  }
+  return energy;
+})()
+"""
+
+# The settings of the microphone track each peer connection sends.
+SENT_TRACK_SETTINGS = """
+window.seen.pcs.flatMap((pc) => pc.getSenders().map((s) => s.track).filter(Boolean)).map((t) => t.getSettings())
+"""
+
+
+def open_page(browser: Browser, server: ServerProcess, transport: str, query: str = "") -> Page:
+    """The page at ``/`` with ``transport`` chosen (WebRTC: the default, nothing to choose), instrumented."""
+    if transport == "webrtc":
+        page = browser.new_page(server.url + (f"?{query}" if query else ""))
+        assert page.eval("document.getElementById('transportWebRTC').checked")
+    else:
+        page = browser.new_page(server.url + f"?transport=websocket{'&' + query if query else ''}")
+        assert page.eval("document.getElementById('transportWebSocket').checked")
+    page.eval(INSTRUMENT)
+    return page
+
+
+def start_hands_free(browser: Browser, server: ServerProcess, transport: str) -> Page:
+    page = open_page(browser, server, transport, "mode=handsfree")
     assert page.eval("document.getElementById('modeHandsFree').checked")
     page.click("start")
     return page
 
 
+def session_log(server: ServerProcess) -> list[str]:
+    """The server's "session … started" lines (they say ", WebRTC" for a call)."""
+    return [line for line in server.log if re.search(r"session \S+ started on slot", line)]
+
+
+def assert_carried_by(page: Page, server: ServerProcess, transport: str) -> None:
+    """The page's session went over ``transport``, as the page and the server both tell."""
+    assert page.eval("s2s.transport") == transport
+    events = page.eval("s2s.events")
+    if transport == "webrtc":
+        assert page.eval("s2s.callId").startswith("rtc_")
+        labels = {s["label"] for s in page.eval("seen.sent")}
+        assert labels == {"oai-events"}, labels
+        assert page.eval("seen.protocols") == []  # no WebSocket at all
+        assert any(line.endswith(", WebRTC)") for line in session_log(server)), session_log(server)
+    else:
+        assert page.eval("s2s.callId") is None and page.eval("seen.pcs.length") == 0
+        assert "realtime" in page.eval("seen.protocols")
+        assert session_log(server) and not any("WebRTC" in line for line in session_log(server))
+        assert "output_audio_buffer.started" not in events
+
+
 # --- tests ---------------------------------------------------------------------------
 
 
-def test_hands_free_turn_shows_both_transcripts_plays_the_answer_and_its_latency(browser: Browser) -> None:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_hands_free_turn_shows_both_transcripts_plays_the_answer_and_its_latency(
+    browser: Browser, transport: str
+) -> None:
     stt_delay_ms = 400  # the least the answer can take after the end of speech
     with fake_server("--pool-size", "1", env={"S2S_RT_FAKE_STT_DELAY_MS": str(stt_delay_ms)}) as server:
-        page = start_hands_free(browser, server)
+        page = start_hands_free(browser, server, transport)
         page.wait_for("s2s.state === 'ready'")
+        # The transport cannot be changed under a running session.
+        assert page.eval("document.getElementById('transportWebSocket').disabled")
         page.wait_for("s2s.userTranscripts.length > 0")
         assert re.fullmatch(r"heard \d+ ms crc [0-9a-f]{8}", page.eval("s2s.userTranscripts[0]"))
         page.wait_for("s2s.assistantTranscripts.length > 0")
@@ -334,6 +458,29 @@ def test_hands_free_turn_shows_both_transcripts_plays_the_answer_and_its_latency
         assert re.search(r"latency: last \d+ ms", page.text("latency"))
         # The answer is 7 words of 120 ms: playback counts what the speaker really played.
         page.wait_for("s2s.playedSamples >= 0.8 * 24000")
+        if transport == "webrtc":
+            # The answer came on the remote track, not as audio events: the page's peer connection
+            # received it, the <audio> element plays it, and the page measured its tones on it.
+            page.wait_for("s2s.events['output_audio_buffer.stopped'] > 0")
+            events = page.eval("s2s.events")
+            assert "response.output_audio.delta" not in events and events["output_audio_buffer.started"] > 0
+            page.wait_for("s2s.heardSamples >= 0.5 * 24000")
+            inbound = page.eval(INBOUND_AUDIO)
+            assert inbound["packetsReceived"] > 0 and inbound["totalSamplesReceived"] > 0, inbound
+            assert inbound["totalAudioEnergy"] > 0, inbound
+            audio = page.eval(
+                "(() => { const a = document.getElementById('answer');"
+                " return {stream: a.srcObject instanceof MediaStream, paused: a.paused,"
+                " live: a.srcObject ? a.srcObject.getAudioTracks().map((t) => t.readyState) : []}; })()"
+            )
+            assert audio == {"stream": True, "paused": False, "live": ["live"]}, audio
+            # The microphone went on the call's track with the browser's echo cancellation (the point of WebRTC).
+            # Its offer carried its ICE candidates (the server takes no trickled ones).
+            (offer,) = [f for f in page.eval("seen.fetches") if f["url"] == server.url + "v1/realtime/calls"]
+            assert offer["method"] == "POST" and offer["candidates"] > 0, offer
+            (settings,) = page.eval(SENT_TRACK_SETTINGS)
+            assert settings["echoCancellation"] and settings["noiseSuppression"] and settings["autoGainControl"]
+        assert_carried_by(page, server, transport)
         bubbles = page.eval(
             "[...document.querySelectorAll('#transcript li')].map(li => [li.className, li.textContent])"
         )
@@ -342,25 +489,53 @@ def test_hands_free_turn_shows_both_transcripts_plays_the_answer_and_its_latency
         assert page.eval("s2s.lastError") is None
         shots = os.environ.get("S2S_RT_SCREENSHOTS")
         if shots:
-            page.screenshot(Path(shots) / "conversation.png")
+            page.screenshot(Path(shots) / f"conversation-{transport}.png")
 
 
-def test_second_page_while_the_pool_is_full_says_the_server_is_full(browser: Browser) -> None:
+def test_webrtc_is_the_default_and_websocket_a_choice_the_page_remembers(browser: Browser) -> None:
     with fake_server("--pool-size", "1") as server:
-        first = start_hands_free(browser, server)
+        page = browser.new_page(server.url)
+        try:
+            assert page.eval("s2s.transport") == "webrtc"
+            assert page.eval("document.getElementById('transportWebRTC').checked")
+            assert "/v1/realtime/calls" in page.text("endpoint")
+            page.click("transportWebSocket")
+            assert page.eval("s2s.transport") == "websocket"
+            assert page.text("endpoint").startswith("ws://")
+            page.goto(server.url)  # the choice outlives the page
+            assert page.eval("document.getElementById('transportWebSocket').checked")
+            page.eval(INSTRUMENT)
+            page.click("start")
+            page.wait_for("s2s.state === 'ready'")
+            assert_carried_by(page, server, "websocket")
+        finally:
+            page.eval("localStorage.clear()")
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_second_page_while_the_pool_is_full_says_the_server_is_full(browser: Browser, transport: str) -> None:
+    with fake_server("--pool-size", "1") as server:
+        first = start_hands_free(browser, server, transport)
         first.wait_for("s2s.state === 'ready'")
-        second = start_hands_free(browser, server)
+        second = start_hands_free(browser, server, transport)
         second.wait_for("s2s.state === 'full'")
         assert second.eval("s2s.lastError.code") == "session_limit_reached"
         assert "server is full" in second.text("error")
         assert second.text("start") == "Start"
         # The first conversation is not disturbed.
         assert first.eval("s2s.state") == "ready"
+        # Stopping it gives its slot back at once: the second page gets it.
+        first.click("start")
+        first.wait_for("s2s.state === 'closed'")
+        second.click("start")
+        second.wait_for("s2s.state === 'ready'")
+        assert second.eval("s2s.transport") == transport
 
 
-def test_wrong_api_key_says_check_the_api_key_and_the_right_one_connects(browser: Browser) -> None:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_wrong_api_key_says_check_the_api_key_and_the_right_one_connects(browser: Browser, transport: str) -> None:
     with fake_server("--pool-size", "1", "--api-key", "right-key") as server:
-        page = browser.new_page(server.url)
+        page = open_page(browser, server, transport)
         page.eval("document.getElementById('apiKey').value = 'wrong-key'")
         page.click("start")
         page.wait_for("s2s.state === 'refused'")
@@ -370,29 +545,143 @@ def test_wrong_api_key_says_check_the_api_key_and_the_right_one_connects(browser
         page.click("start")
         page.wait_for("s2s.state === 'ready'")
         assert page.eval("document.getElementById('error').hidden")
+        assert page.eval("s2s.credential") == "pasted"
+        # The page asked its server for a secret first; without --page-secrets there is none.
+        assert [f["url"] for f in page.eval("seen.fetches") if "client_secret" in f["url"]] == [
+            server.url + "page/client_secret"
+        ] * 2
 
 
-def test_push_to_talk_commits_on_release_and_gets_an_answer(browser: Browser) -> None:
+def http(method: str, url: str, key: str | None = None, body: bytes | None = None) -> tuple[int, bytes]:
+    """One HTTP request to the test's server (the standard library's client)."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    request = urllib.request.Request(url, data=body, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read()
+
+
+def assert_no_api_key_in(page: Page, key: str) -> None:
+    """``key`` is nowhere in the page: its DOM, its storage, its state, what it sent."""
+    held = page.eval(
+        "JSON.stringify([document.documentElement.outerHTML, document.getElementById('apiKey').value,"
+        " {...localStorage}, {...sessionStorage}, window.s2s, window.seen.fetches, window.seen.protocols])"
+    )
+    assert key not in held
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_with_page_secrets_the_page_opens_its_session_with_a_client_secret_and_holds_no_api_key(
+    browser: Browser, transport: str
+) -> None:
+    key = "sk-long-lived-operator-key"
+    with fake_server("--pool-size", "1", "--api-key", key, "--page-secrets") as server:
+        page = start_hands_free(browser, server, transport)
+        page.wait_for("s2s.state === 'ready'")
+        assert page.eval("s2s.credential") == "page-secret"
+        fetches = page.eval("seen.fetches")
+        assert fetches[0] == {
+            "url": server.url + "page/client_secret",
+            "method": "POST",
+            "authorization": None,
+            "candidates": None,
+        }
+        # The session was opened with the secret: a keyed server opens none without one.
+        if transport == "webrtc":
+            (call,) = [f for f in fetches if f["url"].endswith("/v1/realtime/calls")]
+            assert call["method"] == "POST" and re.fullmatch(r"Bearer ek_[\w-]+", call["authorization"]), call
+        else:
+            (protocol,) = [p for p in page.eval("seen.protocols") if p.startswith("openai-insecure-api-key.")]
+            assert protocol.startswith("openai-insecure-api-key.ek_"), protocol
+        page.wait_for("s2s.assistantTranscripts.length > 0")
+        assert_carried_by(page, server, transport)
+        assert_no_api_key_in(page, key)
+        status, metrics = http("GET", server.url + "metrics")
+        assert status == 200 and re.search(rb"^s2s_client_secrets_total 1(\.0)?$", metrics, re.M), metrics
+
+
+def test_without_page_secrets_a_pasted_client_secret_opens_a_webrtc_call(browser: Browser) -> None:
+    key = "sk-long-lived-operator-key"
+    with fake_server("--pool-size", "1", "--api-key", key) as server:
+        assert http("POST", server.url + "page/client_secret")[0] == 404
+        status, body = http("POST", server.url + "v1/realtime/client_secrets", key, b"{}")
+        assert status == 200, body
+        secret = json.loads(body)["value"]
+        page = open_page(browser, server, "webrtc", "mode=handsfree")
+        page.eval("localStorage.setItem('s2s-rt.apiKey', 'left-by-an-older-page')")
+        page.goto(server.url + "?mode=handsfree")
+        assert page.eval("localStorage.getItem('s2s-rt.apiKey')") is None  # forgotten, not reused
+        page.eval(INSTRUMENT)
+        page.eval(f"document.getElementById('apiKey').value = {json.dumps(secret)}")
+        page.click("start")
+        page.wait_for("s2s.state === 'ready'")
+        assert page.eval("s2s.credential") == "pasted"
+        (call,) = [f for f in page.eval("seen.fetches") if f["url"].endswith("/v1/realtime/calls")]
+        assert call["authorization"] == f"Bearer {secret}"
+        page.wait_for("s2s.userTranscripts.length > 0")
+        assert_carried_by(page, server, "webrtc")
+        assert_no_api_key_in(page, key)
+        assert page.eval("localStorage.getItem('s2s-rt.apiKey')") is None
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_push_to_talk_commits_on_release_and_gets_an_answer(browser: Browser, transport: str) -> None:
     with fake_server("--pool-size", "1") as server:
-        page = browser.new_page(server.url + "?mode=talk")
+        page = open_page(browser, server, transport, "mode=talk")
         page.click("start")
         page.wait_for("s2s.state === 'ready'")
         time.sleep(0.3)
         assert page.eval("s2s.sentSamples") == 0  # nothing is sent until the button is held
+        if transport == "webrtc":
+            # The microphone's tone plays, but the call's track is muted: it has sent no sound.
+            page.wait_for("s2s.micLevel > 0.1")
+            assert page.eval(SENT_AUDIO_ENERGY) == 0
         page.press("talk")
         page.wait_for("s2s.sentSamples >= 0.8 * 24000")
         page.release("talk")
+        if transport == "webrtc":
+            assert page.eval(SENT_AUDIO_ENERGY) > 0
         page.wait_for("s2s.assistantTranscripts.length > 0")
         heard_ms = int(page.eval("s2s.userTranscripts[0]").split()[1])
         assert 700 <= heard_ms <= 1500
         page.wait_for("s2s.turns.length > 0 && s2s.playedSamples > 0")
+        assert_carried_by(page, server, transport)
+        if transport == "webrtc":
+            # One turn: the page committed once (after the last words had arrived), the server answered once.
+            assert [s["type"] for s in page.eval("seen.sent")].count("input_audio_buffer.commit") == 1
+            assert page.eval("s2s.events['input_audio_buffer.committed']") == 1
+
+
+def test_pressing_talk_over_webrtc_cuts_the_answer_off_with_output_audio_buffer_clear(browser: Browser) -> None:
+    with fake_server("--pool-size", "1") as server:
+        page = open_page(browser, server, "webrtc", "mode=talk")
+        page.click("start")
+        page.wait_for("s2s.state === 'ready'")
+        page.press("talk")
+        page.wait_for("s2s.sentSamples >= 0.8 * 24000")
+        page.release("talk")
+        # The 840 ms answer plays: talking again cuts it off.
+        playing = page.wait_for("s2s.playing")
+        page.press("talk")
+        page.wait_for(f"s2s.cleared.some((c) => c.responseId === {json.dumps(playing)})")
+        item = page.eval(f"s2s.cleared.find((c) => c.responseId === {json.dumps(playing)}).itemId")
+        truncated = page.wait_for(f"s2s.truncated.find((t) => t.itemId === {json.dumps(item)})")
+        assert 0 <= truncated["audioEndMs"] < 840, truncated
+        assert page.eval("s2s.playing") is None
+        sent = [s["type"] for s in page.eval("seen.sent")]
+        assert sent.count("output_audio_buffer.clear") == 1 and "conversation.item.truncate" not in sent
+        page.wait_for(f"document.querySelector('li.assistant[data-item=\"{item}\"]').classList.contains('interrupted')")
+        assert page.eval("s2s.lastError") is None
+        page.release("talk")
 
 
 def test_barge_in_stops_playback_and_truncates_to_what_was_played(tmp_path: Path) -> None:
     # The next "utterance" starts 0.3 s after the turn ends, while the 0.84 s answer plays.
     wav = write_mic_wav(tmp_path / "eager.wav", lead_s=0.2, tone_s=1.0, tail_s=0.6)
     with fake_server("--pool-size", "1") as server, chromium(wav) as browser:
-        page = start_hands_free(browser, server)
+        page = start_hands_free(browser, server, "websocket")
         # Cut in the middle: something was heard, not all 840 ms of the answer.
         cut = page.wait_for("s2s.bargeIns.find((b) => b.audioEndMs > 0 && b.audioEndMs < 840)")
         page.wait_for(f"s2s.truncated.some((t) => t.itemId === {json.dumps(cut['itemId'])})")
@@ -406,6 +695,33 @@ def test_barge_in_stops_playback_and_truncates_to_what_was_played(tmp_path: Path
         shots = os.environ.get("S2S_RT_SCREENSHOTS")
         if shots:
             page.screenshot(Path(shots) / "barge-in.png")
+
+
+def test_barge_in_over_webrtc_the_server_cuts_the_answer_and_the_page_shows_what_was_heard(tmp_path: Path) -> None:
+    wav = write_mic_wav(tmp_path / "eager.wav", lead_s=0.2, tone_s=1.0, tail_s=0.6)
+    with fake_server("--pool-size", "1") as server, chromium(wav) as browser:
+        page = start_hands_free(browser, server, "webrtc")
+        # The server cleared its output buffer: an answer cut off while it played.
+        cut = page.wait_for("s2s.cleared.find((c) => c.itemId)")
+        truncated = page.wait_for(f"s2s.truncated.find((t) => t.itemId === {json.dumps(cut['itemId'])})")
+        assert 0 < truncated["audioEndMs"] < 840, truncated  # something was heard, not all of it
+        # The transcript shows what was heard, and strikes through the rest.
+        bubble = f"document.querySelector('li.assistant[data-item=\"{cut['itemId']}\"]')"
+        page.wait_for(f"{bubble}.querySelector('.unheard')?.textContent.length > 0")
+        heard, unheard = page.eval(f"[...{bubble}.querySelector('.text').childNodes].map(n => n.textContent)")
+        assert (heard + unheard).startswith("You said: heard") and unheard.endswith(".")
+        assert "interrupted after" in page.eval(f"{bubble}.querySelector('.meta').textContent")
+        assert page.eval(f"{bubble}.classList.contains('interrupted')")
+        # The page stopped showing it as playing, and left the truncation to the server.
+        assert page.eval("s2s.playing") != cut["responseId"]
+        sent = [s["type"] for s in page.eval("seen.sent")]
+        assert "conversation.item.truncate" not in sent and page.eval("s2s.bargeIns") == []
+        assert "conversation.item.retrieve" in sent
+        assert_carried_by(page, server, "webrtc")
+        assert page.eval("s2s.lastError") is None
+        shots = os.environ.get("S2S_RT_SCREENSHOTS")
+        if shots:
+            page.screenshot(Path(shots) / "barge-in-webrtc.png")
 
 
 # --- the worklets alone, in Chromium's JavaScript engine -----------------------------

@@ -40,6 +40,7 @@ const s2s = {
   activity: "", // listening | recording | hearing | thinking | speaking
   sessionId: null,
   callId: null, // WebRTC: the call's id (rtc_…)
+  playing: null, // WebRTC: the response whose audio the server is playing on the answer's track
   playedSamples: 0, // assistant audio played, in 24 kHz samples
   heardSamples: 0, // WebRTC: samples of the answer's track that were not silent
   sentSamples: 0, // microphone audio sent, in 24 kHz samples
@@ -241,11 +242,19 @@ class Refusal extends Error {
 }
 
 const serverFull = () =>
-  new Refusal("full", "session_limit_reached", "The server is full: all its sessions are in use. Try again in a moment.");
+  new Refusal(
+    "full",
+    "session_limit_reached",
+    "The server is full: all its sessions are in use. Try again in a moment.",
+  );
 const unreachable = () => new Refusal("refused", "unreachable", "Cannot reach the server. Is it running?");
 const keyRefused = () => new Refusal("refused", "connection_refused", "Connection refused: check the API key.");
 const unavailable = () =>
-  new Refusal("refused", "unavailable", "The server is not taking new sessions right now (full or draining). Try again later.");
+  new Refusal(
+    "refused",
+    "unavailable",
+    "The server is not taking new sessions right now (full or draining). Try again later.",
+  );
 
 // The events as JSON text frames; the microphone as input_audio_buffer.append, the answer
 // as response.output_audio.delta (played by the page's player worklet).
@@ -334,9 +343,10 @@ class WebRtcTransport {
     this.channel = null;
     this.id = null; // the call's id (rtc_…), from the answer's Location
     this.serverPlays = true;
-    // The server hears the track some 100-150 ms after it was captured (its jitter buffer, the
-    // codec), while an event arrives at once: a commit waits for the last words to have arrived.
-    this.audioLagMs = 250;
+    // The server hears the track some 50-100 ms after it was captured (the codec's 20 ms frames,
+    // the network, its jitter buffer), while an event arrives at once: a commit waits for the last
+    // words to have arrived.
+    this.audioLagMs = 150;
     this.onEvent = () => {};
     this.onClose = () => {};
     this.onTrack = () => {}; // the answer's stream, once it arrives
@@ -484,7 +494,8 @@ async function credential() {
     }
     if (r.status !== 404) {
       const err = (parseEvent(await r.text()) || {}).error || {};
-      throw new Refusal("refused", err.code || `http_${r.status}`, `No client secret for this page: ${err.message || r.statusText}`);
+      const message = `No client secret for this page: ${err.message || r.statusText}`;
+      throw new Refusal("refused", err.code || `http_${r.status}`, message);
     }
   }
   s2s.credential = pasted ? "pasted" : "none";
@@ -514,13 +525,13 @@ async function start() {
     commitTimer: null,
     response: null, // the response in progress: {id, itemId, firstAudio}
     items: new Map(), // response id -> its assistant item id
-    playing: null, // WebRTC: the response whose audio the server is playing
-    playingSince: null, // and since when (performance.now())
+    playingSince: null, // WebRTC: since when (performance.now()) s2s.playing has played
     lastAssistantItem: null,
     lastUserItem: null,
     turnEndAt: null, // performance.now() at the end of the user's turn
     interrupted: new Set(), // assistant items whose late audio is dropped
     pendingClears: new Map(), // item id -> was its response still streaming
+    cancelled: new Set(), // responses cancelled (by the page, or by the server on a barge-in)
   };
   conn = c;
   setState("connecting", "Starting the microphone…");
@@ -533,6 +544,7 @@ async function start() {
     });
   } catch (err) {
     if (conn !== c) return;
+    conn = null; // Start tries again
     teardown(c);
     setState("error", "No microphone");
     showError("microphone_unavailable", `Microphone not available: ${err.message || err}`);
@@ -573,7 +585,8 @@ async function start() {
     if (conn !== c) return; // stopped (or started again) meanwhile
     conn = null;
     teardown(c);
-    const refusal = err instanceof Refusal ? err : new Refusal("error", "connection_failed", `Cannot connect: ${err.message || err}`);
+    const refusal =
+      err instanceof Refusal ? err : new Refusal("error", "connection_failed", `Cannot connect: ${err.message || err}`);
     setState(refusal.state, refusal.state === "full" ? "Server full" : "Not connected");
     showError(refusal.code, refusal.message);
     return;
@@ -594,6 +607,7 @@ function stop() {
 
 function teardown(c) {
   clearTimeout(c.commitTimer);
+  if (!conn || conn === c) s2s.playing = null;
   if (c.transport) c.transport.close();
   if (c.stream) c.stream.getTracks().forEach((t) => t.stop());
   if (c.ctx && c.ctx.state !== "closed") c.ctx.close();
@@ -661,7 +675,10 @@ function talkPressed() {
   const c = conn;
   if (!c || s2s.state !== "ready" || s2s.mode !== "talk" || c.talking) return;
   interrupt(c);
-  if (c.response) send(c, { type: "response.cancel" });
+  if (c.response) {
+    c.cancelled.add(c.response.id);
+    send(c, { type: "response.cancel" });
+  }
   send(c, { type: "input_audio_buffer.clear" });
   clearTimeout(c.commitTimer); // a new turn replaces one still waiting for its answer
   c.commitPending = false;
@@ -771,20 +788,20 @@ function tapAnswer(c, stream) {
 function onAnswerAudio(c, { pcm, level }) {
   if (conn !== c) return;
   s2s.answerLevel = level;
-  if (!c.playing) return;
+  if (!s2s.playing) return;
   const samples = pcm.byteLength / 2;
   s2s.playedSamples += samples;
   if (level < SOUND_LEVEL) return;
   s2s.heardSamples += samples;
-  firstAudio(c, c.items.get(c.playing));
+  firstAudio(c, c.items.get(s2s.playing));
 }
 
 // WebRTC: the server's output buffer has played a response's audio to the end, or cut it off.
 function audioEnded(c, responseId) {
-  if (c.playing !== responseId) return;
+  if (s2s.playing !== responseId) return;
   // No sound measured (no track, or a silent answer): its audio began when the server said so.
   if (c.turnEndAt !== null && c.playingSince >= c.turnEndAt) firstAudio(c, c.items.get(responseId), c.playingSince);
-  c.playing = null;
+  s2s.playing = null;
   if (s2s.activity === "speaking") setActivity("listening");
 }
 
@@ -792,7 +809,8 @@ function audioEnded(c, responseId) {
 function interrupt(c) {
   if (c.transport.serverPlays) {
     // The server cuts it off, and truncates the item at what was heard (output_audio_buffer.cleared).
-    if (c.playing || c.response) send(c, { type: "output_audio_buffer.clear" });
+    // Only while it plays: a clear with nothing playing would truncate the last answer, heard in full.
+    if (s2s.playing) send(c, { type: "output_audio_buffer.clear" });
     return;
   }
   const item = c.lastAssistantItem;
@@ -885,9 +903,11 @@ function onEvent(c, ev) {
       break;
     // WebRTC: what the server's output buffer (the answer's track) is doing.
     case "output_audio_buffer.started":
-      c.playing = ev.response_id;
+      s2s.playing = ev.response_id;
       c.playingSince = performance.now();
       setActivity("speaking");
+      // A cancel does not stop audio the server had already queued: an answer cancelled as it began is cut off now.
+      if (c.cancelled.has(ev.response_id)) interrupt(c);
       break;
     case "output_audio_buffer.stopped":
       audioEnded(c, ev.response_id);
@@ -941,6 +961,7 @@ function onAudio(c, ev) {
 
 function onResponseDone(c, r) {
   if (c.response && c.response.id === r.id) c.response = null;
+  if (r.status === "cancelled") c.cancelled.add(r.id);
   const item = r.output && r.output[0] && r.output[0].id;
   if (r.status === "cancelled" && item) {
     bubble(item, "assistant").classList.add("interrupted");
