@@ -36,6 +36,9 @@ from s2s_rt.bench.stats import summarize
 from s2s_rt.speech_cache import RATE, Clip
 
 CHUNK = RATE // 50  # 20 ms of PCM16 per append
+#: A frame of the answer's track louder than this (RMS, full scale 1) is its first sound: Piper's first
+#: samples are quiet but not silent, and the WebSocket's figure counts from its first delta whatever it holds.
+SOUND = 0.002
 
 
 def _settings(opts: argparse.Namespace) -> dict[str, Any]:
@@ -110,7 +113,11 @@ async def webrtc_turn(opts: argparse.Namespace, server: ServerHandle, clip: Clip
         response = await call.next_event("response.done", opts.turn_timeout_s)
         await call.next_event("output_audio_buffer.stopped", opts.turn_timeout_s)
         stopped = next((e["_received"] for e in call.events if e["type"] == "input_audio_buffer.speech_stopped"), None)
-        return _turn("webrtc", clip, end_of_speech, call.first_sound_after(end_of_speech), response, stopped)
+        started = next((e["_received"] for e in call.events if e["type"] == "output_audio_buffer.started"), None)
+        turn = _turn("webrtc", clip, end_of_speech, call.first_sound_after(end_of_speech, SOUND), response, stopped)
+        # Where the server began to play it (told on the data channel): the rest is Opus, RTP and the jitter buffer.
+        turn["eos_to_playing_s"] = None if started is None else started - end_of_speech
+        return turn
     finally:
         await call.close()
 
@@ -216,6 +223,10 @@ async def run_transports(opts: argparse.Namespace, server: ServerHandle, clips: 
             ),
             "idle_server_cores_per_session": [r["per_session"] for r in idle[kind]],
         }
+        if kind == "webrtc":
+            report[kind]["eos_to_playing_s"] = summarize(
+                [t["eos_to_playing_s"] for t in mine if t.get("eos_to_playing_s") is not None]
+            )
     report["server_turns"] = turn_log_breakdown(server.log_path)
     return report
 
@@ -232,4 +243,7 @@ def format_transports(report: dict[str, Any]) -> list[str]:
         lat, srv = r["eos_to_first_audio_s"], r["speech_stopped_to_first_audio_s"]
         idle = ", ".join(f"{100 * v:.2f}% of a core" for v in r["idle_server_cores_per_session"] if v is not None)
         lines.append(f"{kind:<10} {lat['n']:>5} {ms(lat['p50']):>14} {ms(lat['p95']):>8} {ms(srv['p50']):>18}  {idle}")
+    playing = report["webrtc"].get("eos_to_playing_s", {})
+    if playing.get("p50") is not None:
+        lines.append(f"webrtc: the server began to play {ms(playing['p50'])} after the end of speech (p50)")
     return lines
