@@ -330,6 +330,10 @@ class CT2ChatLLM:
             if len(held) < least:
                 held = []
             known, rest = self._static.split(prompt)
+            if known and self._held_short_by:
+                # Held short, as a read-ahead state is: the shortest next turn still makes a piece of ``least``.
+                cut = len(known) - self._held_short_by
+                known, rest = prompt[:cut], prompt[cut:]
             if len(known) < least or len(rest) < least:
                 known, rest = [], prompt
             if len(held) > len(known):
