@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import numpy as np
@@ -32,6 +34,45 @@ KEY = "sk-test-key"
 
 def base_url(server: Any) -> str:
     return f"http://127.0.0.1:{server.port}/v1"
+
+
+@asynccontextmanager
+async def a_call(server: Any, key: str = "unused") -> AsyncIterator[CallClient]:
+    """A call to ``server`` whose session has begun (``session.created`` taken); closed after the block."""
+    call = await CallClient.open(base_url(server), key)
+    try:
+        await call.next_event("session.created")
+        yield call
+    finally:
+        await call.close()
+
+
+async def a_call_that_never_connects(server: Any) -> Any:
+    """An offer posted and answered whose answer the client never takes: no ICE, no data channel.
+
+    Returns its peer connection (to close).
+    """
+    from aiortc import RTCPeerConnection
+
+    pc = RTCPeerConnection()
+    pc.createDataChannel("oai-events")
+    pc.addTransceiver("audio")
+    await pc.setLocalDescription(await pc.createOffer())
+    client = AsyncOpenAI(base_url=base_url(server), api_key="unused", max_retries=0)
+    try:
+        await client.realtime.calls.create(sdp=pc.localDescription.sdp)
+    finally:
+        await client.close()
+    return pc
+
+
+async def mint(server: Any, key: str = KEY, **params: Any) -> Any:
+    """A client secret minted with the official SDK (``params``: ``expires_after``, ``session``)."""
+    client = AsyncOpenAI(base_url=base_url(server), api_key=key, max_retries=0)
+    try:
+        return await client.realtime.client_secrets.create(**params)
+    finally:
+        await client.close()
 
 
 def conformant(call: CallClient) -> None:
@@ -89,21 +130,9 @@ def test_a_spoken_turn_over_webrtc_arrives_as_events_on_the_data_channel_and_aud
 def test_barge_in_over_webrtc_truncates_the_item_at_what_was_played_and_clears_the_buffer() -> None:
     async def scenario() -> None:
         async with live_server() as server:
-            call = await CallClient.open(base_url(server), "unused")
-            try:
-                await call.next_event("session.created")
+            async with a_call(server) as call:
                 # A long answer (120 ms per word of tone): about 6 s to play.
-                call.send(
-                    {
-                        "type": "conversation.item.create",
-                        "item": {
-                            "type": "message",
-                            "role": "user",
-                            "content": [{"type": "input_text", "text": " ".join(["word"] * 50)}],
-                        },
-                    }
-                )
-                call.send({"type": "response.create"})
+                call.ask(" ".join(["word"] * 50))
                 started = await call.next_event("output_audio_buffer.started", 10)
                 done = await call.next_event("response.done", 10)
                 item_id = done["response"]["output"][0]["id"]
@@ -134,8 +163,6 @@ def test_barge_in_over_webrtc_truncates_the_item_at_what_was_played_and_clears_t
                 after = call.heard_between(time.perf_counter() - 0.3)
                 assert after.size and np.abs(after).max() < 300
                 conformant(call)
-            finally:
-                await call.close()
 
     run(scenario())
 
@@ -143,20 +170,8 @@ def test_barge_in_over_webrtc_truncates_the_item_at_what_was_played_and_clears_t
 def test_output_audio_buffer_clear_cuts_a_call_off_and_is_refused_over_a_websocket() -> None:
     async def scenario() -> None:
         async with live_server() as server:
-            call = await CallClient.open(base_url(server), "unused")
-            try:
-                await call.next_event("session.created")
-                call.send(
-                    {
-                        "type": "conversation.item.create",
-                        "item": {
-                            "type": "message",
-                            "role": "user",
-                            "content": [{"type": "input_text", "text": " ".join(["word"] * 40)}],
-                        },
-                    }
-                )
-                call.send({"type": "response.create"})
+            async with a_call(server) as call:
+                call.ask(" ".join(["word"] * 40))
                 started = await call.next_event("output_audio_buffer.started", 10)
                 await asyncio.sleep(0.6)
                 call.send({"type": "output_audio_buffer.clear", "event_id": "evt_clear"})
@@ -165,8 +180,6 @@ def test_output_audio_buffer_clear_cuts_a_call_off_and_is_refused_over_a_websock
                 assert cleared["response_id"] == started["response_id"]
                 assert 400 <= truncated["audio_end_ms"] <= 900
                 conformant(call)
-            finally:
-                await call.close()
             async with RealtimeClient.connect(server) as ws:
                 await ws.until("session.created")
                 await ws.send("output_audio_buffer.clear", event_id="evt_ws")
@@ -207,17 +220,8 @@ def test_a_call_whose_ice_never_completes_frees_its_slot_within_its_timeout() ->
     async def scenario() -> None:
         async with live_server(pool_size=2, call_timeout_s=1.5) as server:
             # Offered and answered, but the client never takes the answer: no ICE, no data channel.
-            from aiortc import RTCPeerConnection
 
-            pc = RTCPeerConnection()
-            pc.createDataChannel("oai-events")
-            pc.addTransceiver("audio")
-            await pc.setLocalDescription(await pc.createOffer())
-            client = AsyncOpenAI(base_url=base_url(server), api_key="unused", max_retries=0)
-            try:
-                await client.realtime.calls.create(sdp=pc.localDescription.sdp)
-            finally:
-                await client.close()
+            pc = await a_call_that_never_connects(server)
             begun = time.monotonic()
             assert server.pool.free == 1
             assert await eventually(lambda: _free(server, 2), 5)
@@ -233,8 +237,6 @@ def test_a_call_whose_ice_never_completes_frees_its_slot_within_its_timeout() ->
 def test_twenty_calls_opened_and_abandoned_leave_every_slot_idle() -> None:
     async def scenario() -> None:
         async with live_server(pool_size=4, call_timeout_s=2.0) as server:
-            from aiortc import RTCPeerConnection
-
             opened = 0
             for batch in range(5):
                 calls = [await CallClient.open(base_url(server), "unused") for _ in range(2)]
@@ -242,15 +244,7 @@ def test_twenty_calls_opened_and_abandoned_leave_every_slot_idle() -> None:
                 # Two more never connect: their answers are never taken.
                 strays = []
                 for _ in range(2):
-                    pc = RTCPeerConnection()
-                    pc.createDataChannel("oai-events")
-                    pc.addTransceiver("audio")
-                    await pc.setLocalDescription(await pc.createOffer())
-                    client = AsyncOpenAI(base_url=base_url(server), api_key="unused", max_retries=0)
-                    try:
-                        await client.realtime.calls.create(sdp=pc.localDescription.sdp)
-                    finally:
-                        await client.close()
+                    pc = await a_call_that_never_connects(server)
                     strays.append(pc)
                     opened += 1
                 for call in calls:
@@ -299,17 +293,10 @@ def test_hangup_ends_a_call() -> None:
 def test_the_official_sdk_mints_a_client_secret_that_opens_sessions_over_webrtc_and_websocket() -> None:
     async def scenario() -> None:
         async with live_server(api_keys=[KEY]) as server:
-            client = AsyncOpenAI(base_url=base_url(server), api_key=KEY, max_retries=0)
-            try:
-                minted = await client.realtime.client_secrets.create(
-                    session={
-                        "type": "realtime",
-                        "instructions": "You are a pirate.",
-                        "audio": {"output": {"voice": server.stack.tts.voices[0]}},
-                    }
-                )
-            finally:
-                await client.close()
+            voice = {"output": {"voice": server.stack.tts.voices[0]}}
+            minted = await mint(
+                server, session={"type": "realtime", "instructions": "You are a pirate.", "audio": voice}
+            )
             # The answer has OpenAI's shape: the SDK's own type accepts it, validated.
             raw = minted.model_dump(mode="json")
             ClientSecretCreateResponse.model_validate(raw)
@@ -344,17 +331,9 @@ def test_the_official_sdk_mints_a_client_secret_that_opens_sessions_over_webrtc_
 def test_a_client_secret_can_neither_mint_nor_drain_nor_read_the_pool() -> None:
     async def scenario() -> None:
         async with live_server(api_keys=[KEY]) as server:
-            client = AsyncOpenAI(base_url=base_url(server), api_key=KEY, max_retries=0)
-            try:
-                secret = (await client.realtime.client_secrets.create()).value
-            finally:
-                await client.close()
-            as_secret = AsyncOpenAI(base_url=base_url(server), api_key=secret, max_retries=0)
-            try:
-                with pytest.raises(AuthenticationError):
-                    await as_secret.realtime.client_secrets.create()
-            finally:
-                await as_secret.close()
+            secret = (await mint(server)).value
+            with pytest.raises(AuthenticationError):
+                await mint(server, secret)
             bearer = {"Authorization": f"Bearer {secret}"}
             for path in ("/drain", "/undrain"):
                 status, _ = await http_get(server, path, method="POST", headers=bearer | {"S2S-Operator": "1"})
@@ -372,16 +351,10 @@ def test_a_client_secret_stops_working_once_expired_and_longer_than_the_bound_is
 ) -> None:
     async def scenario() -> None:
         async with live_server(api_keys=[KEY], max_client_secret_s=900) as server:
-            client = AsyncOpenAI(base_url=base_url(server), api_key=KEY, max_retries=0)
-            try:
-                with pytest.raises(BadRequestError) as refused:
-                    await client.realtime.client_secrets.create(expires_after={"anchor": "created_at", "seconds": 901})
-                assert "expires_after.seconds" in str(refused.value)
-                minted = await client.realtime.client_secrets.create(
-                    expires_after={"anchor": "created_at", "seconds": 60}
-                )
-            finally:
-                await client.close()
+            with pytest.raises(BadRequestError) as refused:
+                await mint(server, expires_after={"anchor": "created_at", "seconds": 901})
+            assert "expires_after.seconds" in str(refused.value)
+            minted = await mint(server, expires_after={"anchor": "created_at", "seconds": 60})
             assert 55 <= minted.expires_at - time.time() <= 61
             headers = {"Authorization": f"Bearer {minted.value}"}
             async with connect(f"ws://127.0.0.1:{server.port}/v1/realtime", additional_headers=headers) as ws:
@@ -403,15 +376,11 @@ def test_a_client_secret_stops_working_once_expired_and_longer_than_the_bound_is
 def test_a_client_secrets_bad_configuration_is_refused_when_it_is_minted() -> None:
     async def scenario() -> None:
         async with live_server() as server:
-            client = AsyncOpenAI(base_url=base_url(server), api_key="unused", max_retries=0)
-            try:
-                with pytest.raises(BadRequestError) as refused:
-                    await client.realtime.client_secrets.create(
-                        session={"type": "realtime", "audio": {"output": {"voice": "no-such-voice"}}}
-                    )
-                assert "voice" in str(refused.value)
-            finally:
-                await client.close()
+            with pytest.raises(BadRequestError) as refused:
+                await mint(
+                    server, "unused", session={"type": "realtime", "audio": {"output": {"voice": "no-such-voice"}}}
+                )
+            assert "voice" in str(refused.value)
 
     run(scenario())
 
@@ -466,16 +435,12 @@ def test_requests_with_bodies_are_read_on_the_session_port_and_bad_ones_are_refu
 def test_media_binds_within_the_configured_port_range() -> None:
     async def scenario() -> None:
         async with live_server(media_ports="47100-47119") as server:
-            call = await CallClient.open(base_url(server), "unused")
-            try:
-                await call.next_event("session.created")
+            async with a_call(server) as call:
                 answer = call.pc.remoteDescription.sdp
                 ports = [int(line.split()[5]) for line in answer.splitlines() if line.startswith("a=candidate:")]
                 assert ports and all(47100 <= p <= 47119 for p in ports), ports
                 call.speak(tone(440, 0.5) + silence(1.0))
                 await call.next_event("output_audio_buffer.stopped", 15)
-            finally:
-                await call.close()
 
     run(scenario())
 
@@ -547,8 +512,6 @@ def test_calls_doing_anything_in_any_order_leave_the_pool_whole_and_a_calm_sessi
 
     async def scenario() -> None:
         async with live_server(pool_size=4, call_timeout_s=1.0) as server:
-            from aiortc import RTCPeerConnection
-
             calls: list[CallClient | None] = [None, None, None]
             strays: list[Any] = []
             async with RealtimeClient.connect(server) as calm:
@@ -560,15 +523,7 @@ def test_calls_doing_anything_in_any_order_leave_the_pool_whole_and_a_calm_sessi
                         if step == "open" and call is None:
                             calls[who] = await CallClient.open(base_url(server), "unused", timeout=5)
                         elif step == "stray":
-                            pc = RTCPeerConnection()
-                            pc.createDataChannel("oai-events")
-                            pc.addTransceiver("audio")
-                            await pc.setLocalDescription(await pc.createOffer())
-                            client = AsyncOpenAI(base_url=base_url(server), api_key="unused", max_retries=0)
-                            try:
-                                await client.realtime.calls.create(sdp=pc.localDescription.sdp)
-                            finally:
-                                await client.close()
+                            pc = await a_call_that_never_connects(server)
                             strays.append(pc)
                         elif call is None or call.channel.readyState != "open":
                             await asyncio.sleep(0.05)
@@ -612,23 +567,13 @@ def test_calls_doing_anything_in_any_order_leave_the_pool_whole_and_a_calm_sessi
 def test_clearing_after_an_answer_has_all_played_cuts_nothing_off() -> None:
     async def scenario() -> None:
         async with live_server() as server:
-            call = await CallClient.open(base_url(server), "unused")
-            try:
-                await call.next_event("session.created")
-                call.send(
-                    {
-                        "type": "conversation.item.create",
-                        "item": {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]},
-                    }
-                )
-                call.send({"type": "response.create"})
+            async with a_call(server) as call:
+                call.ask("hi")
                 await call.next_event("output_audio_buffer.stopped", 10)
                 call.send({"type": "output_audio_buffer.clear"})
                 call.send({"type": "conversation.item.retrieve", "item_id": "none"})  # a marker: all before it is in
                 await call.next_event("error", 5)
                 types = [e["type"] for e in call.events]
                 assert "conversation.item.truncated" not in types and "output_audio_buffer.cleared" not in types
-            finally:
-                await call.close()
 
     run(scenario())

@@ -107,6 +107,12 @@ class CallClient:
     def send(self, event: dict[str, Any]) -> None:
         self.channel.send(json.dumps(event))
 
+    def ask(self, text: str) -> None:
+        """Add a user message with ``text`` and ask for a response (as a typed turn), without waiting."""
+        content = [{"type": "input_text", "text": text}]
+        self.send({"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": content}})
+        self.send({"type": "response.create"})
+
     def speak(self, pcm24k: bytes) -> float:
         """Queue 24 kHz mono PCM16 on the microphone; returns when (perf_counter) it will have been played."""
         self.mic.play("mic", "mic", pcm24k, MIC_FORMAT)
