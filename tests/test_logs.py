@@ -18,15 +18,16 @@ def _lines(caplog: pytest.LogCaptureFixture) -> list[dict]:
     return [json.loads(fmt.format(r)) for r in caplog.records if r.name.startswith("s2s_rt")]
 
 
-@pytest.mark.parametrize("log_content", [False, True])
+@pytest.mark.parametrize(("log_content", "beta"), [(False, False), (True, False), (False, True)])
 def test_session_and_turn_lines_with_latency_and_no_content_unless_asked(
-    caplog: pytest.LogCaptureFixture, log_content: bool
+    caplog: pytest.LogCaptureFixture, log_content: bool, beta: bool
 ) -> None:
+    """The turn's line has every step, in order, in either dialect (beta names its audio deltas otherwise)."""
     caplog.set_level(logging.INFO, logger="s2s_rt")
 
     async def scenario() -> None:
         async with live_server(log_content=log_content) as server:
-            async with RealtimeClient.connect(server) as c:
+            async with RealtimeClient.connect(server, beta=beta) as c:
                 await c.say_text("my secret words")
 
     run(scenario())

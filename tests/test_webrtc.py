@@ -577,3 +577,21 @@ def test_clearing_after_an_answer_has_all_played_cuts_nothing_off() -> None:
                 assert "conversation.item.truncated" not in types and "output_audio_buffer.cleared" not in types
 
     run(scenario())
+
+
+def test_a_call_offered_with_the_beta_header_speaks_the_beta_dialect() -> None:
+    async def scenario() -> None:
+        async with live_server() as server:
+            call = await CallClient.open(base_url(server), "unused", beta=True)
+            try:
+                await call.next_event("session.created")
+                call.ask("hello there")
+                await call.next_event("output_audio_buffer.stopped", 10)
+                types = {e["type"] for e in call.events}
+                assert "response.audio_transcript.delta" in types and "response.audio.delta" not in types
+                for event in call.events:
+                    validate_server_event({k: v for k, v in event.items() if k != "_received"}, beta=True)
+            finally:
+                await call.close()
+
+    run(scenario())

@@ -52,7 +52,13 @@ class CallClient:
 
     @classmethod
     async def open(
-        cls, base_url: str, api_key: str, session: dict[str, Any] | None = None, timeout: float = 15.0
+        cls,
+        base_url: str,
+        api_key: str,
+        session: dict[str, Any] | None = None,
+        timeout: float = 15.0,
+        *,
+        beta: bool = False,
     ) -> CallClient:
         """Offer, post with the ``openai`` SDK, answer, and wait until the events channel is open.
 
@@ -60,6 +66,7 @@ class CallClient:
             base_url: the server's API root (``http://HOST:PORT/v1``).
             api_key: an API key or a client secret.
             session: a session configuration sent with the offer.
+            beta: ask for the beta dialect (``OpenAI-Beta: realtime=v1`` on the offer).
         """
         from openai import AsyncOpenAI
 
@@ -70,6 +77,8 @@ class CallClient:
             kwargs: dict[str, Any] = {"sdp": self.pc.localDescription.sdp}
             if session is not None:
                 kwargs["session"] = session
+            if beta:
+                kwargs["extra_headers"] = {"OpenAI-Beta": "realtime=v1"}
             raw = await client.realtime.calls.with_raw_response.create(**kwargs)
             answer = raw.text if isinstance(raw.text, str) else raw.content.decode()
             location = raw.headers.get("location", "")

@@ -105,7 +105,7 @@ class Outbox:
             # session: a client never sees a close without its open. Only the
             # deltas of a response that is cancelled or fails meanwhile are dropped.
             scope = scope.outermost
-        elif event.type == "response.output_audio.delta":
+        elif event.type in _AUDIO_DELTAS:
             timing = self.timings.get(event.response_id)  # type: ignore[attr-defined]
             if timing is not None and not timing.first_delta_queued:
                 timing.first_delta_queued = True  # only the response's first delta is watched
@@ -252,6 +252,10 @@ class Outbox:
         """Seconds the current send has waited for the client to read (0 when none waits)."""
         since = self.sending_since
         return 0.0 if since is None else time.monotonic() - since
+
+
+#: An answer's audio delta, in either dialect's name (beta: ``response.audio.delta``).
+_AUDIO_DELTAS = frozenset(("response.output_audio.delta", "response.audio.delta"))
 
 
 def _audio_sent(timing: TurnTiming) -> None:
