@@ -19,7 +19,7 @@ from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 from av import AudioFrame
 
 from s2s_rt.audio import AudioFormat
-from s2s_rt.server.webrtc import EVENTS_LABEL, HEARD_FORMAT, Playback, mono_pcm16
+from s2s_rt.server.webrtc import EVENTS_LABEL, Playback, mono_pcm16
 
 MIC_FORMAT = AudioFormat("audio/pcm", 24_000)
 
@@ -156,6 +156,3 @@ class CallClient:
         for task in self._tasks:
             task.cancel()
         await self.pc.close()
-
-
-__all__ = ["HEARD_FORMAT", "CallClient"]

@@ -279,14 +279,15 @@ class Listener:
         turns.turn_item_id = new_id("item")
         events: list[ServerEvent] = [session.speech_started(int(turn.audio_start_ms), turns.turn_item_id)]
         td = turns.detector.settings if turns.detector else None
-        if session.response is not None and td is not None and td.interrupt_response:
+        if td is not None and td.interrupt_response:
             # Barge-in: the answer being spoken is cancelled at once.
-            events += session.cancel_response("turn_detected")
-            self.stage.metrics.turns.inc(status="cancelled")
-        media = ctx.channel.media
-        if media is not None and td is not None and td.interrupt_response and media.busy:
-            # A call's audio is played here: what is not yet heard is dropped, and the item truncated at what was.
-            events += session.cut_off(*media.clear())
+            if session.response is not None:
+                events += session.cancel_response("turn_detected")
+                self.stage.metrics.turns.inc(status="cancelled")
+            media = ctx.channel.media
+            if media is not None and media.busy:
+                # A call's audio is played here: what is not yet heard is dropped, the item truncated at what was.
+                events += session.cut_off(*media.clear())
         self._emit(ctx, events)
 
     def _speech_stopped(self, ctx: SessionContext, turn: SpeechStop) -> None:

@@ -9,7 +9,6 @@ the slot when the session's ``SessionEnd`` reaches it.
 from __future__ import annotations
 
 import asyncio
-import base64
 import functools
 import logging
 import time
@@ -22,7 +21,7 @@ from s2s_rt.budget import ByteBudget
 from s2s_rt.metrics import Metrics
 from s2s_rt.pipeline.work import CloseRequest, Outgoing, SessionEnd, TurnTiming
 from s2s_rt.protocol.errors import ProtocolError
-from s2s_rt.protocol.server_events import ServerEvent, encode_event
+from s2s_rt.protocol.server_events import AudioDelta, ServerEvent, encode_event
 from s2s_rt.scope import Scope
 
 if TYPE_CHECKING:
@@ -105,16 +104,15 @@ class Outbox:
             # session: a client never sees a close without its open. Only the
             # deltas of a response that is cancelled or fails meanwhile are dropped.
             scope = scope.outermost
-        elif event.type in _AUDIO_DELTAS:
-            timing = self.timings.get(event.response_id)  # type: ignore[attr-defined]
+        elif type(event) is AudioDelta:  # in either dialect's name
+            timing = self.timings.get(event.response_id)
             if timing is not None and not timing.first_delta_queued:
                 timing.first_delta_queued = True  # only the response's first delta is watched
                 sent = functools.partial(_audio_sent, timing)
             channel = self.channel
             if channel is not None and channel.media is not None and self.session is not None:
-                # A call plays the audio on its track: the event itself is not sent.
-                audio = base64.b64decode(event.delta)  # type: ignore[attr-defined]
-                play = (event.response_id, event.item_id, audio, self.session.config.output_format)  # type: ignore[attr-defined]
+                # A call plays the audio on its track: the event itself is never encoded or sent.
+                play = (event.response_id, event.item_id, event.delta, self.session.config.output_format)
                 return Outgoing(scope, event.type, b"", sent, play)
         return Outgoing(scope, event.type, encode_event(event), sent)
 
@@ -252,10 +250,6 @@ class Outbox:
         """Seconds the current send has waited for the client to read (0 when none waits)."""
         since = self.sending_since
         return 0.0 if since is None else time.monotonic() - since
-
-
-#: An answer's audio delta, in either dialect's name (beta: ``response.audio.delta``).
-_AUDIO_DELTAS = frozenset(("response.output_audio.delta", "response.audio.delta"))
 
 
 def _audio_sent(timing: TurnTiming) -> None:

@@ -20,7 +20,6 @@ cannot reach an event already made.
 
 from __future__ import annotations
 
-import base64
 import enum
 from typing import Any
 
@@ -143,8 +142,7 @@ class Response:
         ids = self._ids()
         for chunk in chunks:
             self._step(Step.DELTA)
-            delta = base64.b64encode(chunk).decode("ascii")
-            events.append(self._ev(se.DeltaEvent, "response.output_audio.delta", delta=delta, **ids))
+            events.append(self._ev(se.AudioDelta, "response.output_audio.delta", delta=chunk, **ids))
         segment = SpokenSegment(text, self.audio_ms, self.audio_ms + ms)
         self.audio_ms += ms
         if self.params.in_conversation:

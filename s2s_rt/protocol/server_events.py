@@ -202,6 +202,16 @@ class DeltaEvent(ServerEvent):  # audio, transcript and text deltas
     delta: str
 
 
+class AudioDelta(ServerEvent):  # response.output_audio.delta (beta: response.audio.delta)
+    response_id: str
+    item_id: str
+    output_index: int
+    content_index: int
+    #: The audio as made, in the session's output format: base64 only when encoded for the wire
+    #: (msgspec writes bytes as base64), and not at all for a call, whose track plays the bytes.
+    delta: bytes
+
+
 class AudioDone(ServerEvent):
     response_id: str
     item_id: str

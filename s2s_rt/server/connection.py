@@ -247,22 +247,15 @@ class Connections:
 
         call.hear = heard
         try:
-            while True:
-                inbox = asyncio.ensure_future(call.inbox.get())
-                done, _ = await asyncio.wait((inbox, watchdog), return_when=asyncio.FIRST_COMPLETED)
-                if inbox not in done:
-                    inbox.cancel()
-                    break
-                message = inbox.result()
-                if message is None:
-                    return call.why
+            # The call's end (whoever ended it, the watchdog too) puts None in its inbox.
+            while (message := await call.inbox.get()) is not None:
                 if await self._one_message(slot, message, loop.time(), activity, budget, refusals):
                     return "flood"
         finally:
             call.hear = None
             watchdog.cancel()
             await asyncio.wait((watchdog,))
-        return watchdog.result()
+        return call.why if watchdog.cancelled() else watchdog.result()
 
     async def _receive_loop(self, ws: ServerConnection, slot: Slot) -> str | None:
         """Feed the client's frames to its slot until the socket closes or a limit ends the session.

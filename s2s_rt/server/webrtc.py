@@ -228,7 +228,6 @@ class Call:
         #: The secret that opened it (it may hang up with that), if one did.
         self.secret: str | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
-        self.created = time.monotonic()
         pc = self.pc
         pc.on("datachannel", self._datachannel)
         pc.on("track", self._track)
@@ -251,7 +250,7 @@ class Call:
     async def close(self, code: int = 1000, reason: str = "") -> None:
         self.close_code = code
         self.end(reason or "closed by the server")
-        await self._closed()
+        await self.wait_closed()
 
     def abort(self) -> None:
         self.end("aborted by the server")
@@ -287,14 +286,11 @@ class Call:
         self.hear = None
         self._spawn(self.pc.close())
 
-    async def _closed(self) -> None:
+    async def wait_closed(self) -> None:
+        """Until the peer connection has closed (after :meth:`end`), two seconds at most."""
         tasks = [t for t in self._tasks if t is not asyncio.current_task()]
         if tasks:
             await asyncio.wait(tasks, timeout=2.0)
-
-    async def wait_closed(self) -> None:
-        """Until the peer connection has closed (after :meth:`end`)."""
-        await self._closed()
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro, name=f"call-{self.id}")
