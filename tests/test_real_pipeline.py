@@ -15,6 +15,7 @@ import re
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import numpy as np
 import pytest
@@ -82,12 +83,12 @@ async def stream(c: RealtimeClient, pcm: bytes, trailing_silence_s: float = 1.2)
     return end_of_speech
 
 
-def transcribe(server: Server, pcm24k: bytes) -> str:
+def transcribe(server: Server, pcm24k: bytes, lead_in_s: float = 0.5) -> str:
     assert server.stack is not None
     audio = resample(pcm16_to_float(pcm24k), RATE, PIPELINE_RATE)
     # A moment of silence first, as a listener would have: Whisper tends to
     # mangle a word that starts at the very first sample.
-    lead_in = np.zeros(PIPELINE_RATE // 2, np.float32)
+    lead_in = np.zeros(int(PIPELINE_RATE * lead_in_s), np.float32)
     return server.stack.stt.transcribe(np.concatenate([lead_in, audio]), language="en").text
 
 
@@ -109,13 +110,66 @@ async def ask(server: Server, c: RealtimeClient, question: str, key: str) -> tup
 
 
 def check_answer_audio(server: Server, answer: str, audio: bytes) -> None:
-    """The answer's audio is speech of its transcript (within 30 % WER)."""
+    """The answer's audio is speech of its transcript (within 30 % WER, or two words wrong in six or more)."""
     samples = pcm16_to_float(audio)
     assert len(samples) > RATE * 0.3, "less than 0.3 s of answer"
     assert float(np.sqrt(np.mean(samples**2))) > 0.01, "the answer is silent"
-    spoken = transcribe(server, audio)
-    # Not its fact itself: Whisper base hears Piper's "Paris" at an answer's first word as "Terris" now and then.
-    assert word_error_rate(answer, spoken) <= 0.30, (answer, spoken)
+    # Not its fact itself: Whisper base hears Piper's "Paris" at an answer's first word as "Terris" now and then,
+    # and drops a short word ("the capital, France") in some takes; Piper draws noise as it speaks, so a take
+    # cannot be drawn again. Measured on 40 takes of "Paris is the capital of France.": 1 heard with more than
+    # 30 % WER after half a second of silence, 2 after a quarter, none with more than two words wrong after
+    # either. Audio that is not the answer's speech, or only part of it, is heard wrong after both.
+    words = len(answer.split())
+    wrong_allowed = max(0.30 * words, min(2, words // 3))
+    spoken = []
+    for lead_in_s in (0.5, 0.25):
+        spoken.append(transcribe(server, audio, lead_in_s))
+        if word_error_rate(answer, spoken[-1]) * words <= wrong_allowed + 1e-9:
+            return
+    raise AssertionError(f"the answer's audio is not heard as {answer!r}: {spoken}")
+
+
+def record_what_is_played(server: Server, call_id: str | None) -> list[np.ndarray]:
+    """The frames the server's track for ``call_id`` plays from now on (int16, one channel), as it hands them to the encoder."""
+    assert server.calls is not None and call_id is not None
+    media = server.calls.calls[call_id].media
+    played: list[np.ndarray] = []
+    recv = media.recv
+
+    async def recording() -> Any:
+        frame = await recv()
+        played.append(frame.to_ndarray().reshape(-1, len(frame.layout.channels))[:, 0].copy())
+        return frame
+
+    media.recv = recording  # type: ignore[method-assign]
+    return played
+
+
+def check_carried(played: np.ndarray, played_rate: int, heard: np.ndarray, heard_rate: int) -> None:
+    """What the client heard is what the server played, as loud, 10 ms by 10 ms, from first sound to last.
+
+    Opus changes the samples, not their envelope: audio lost, repeated,
+    slowed, cut short or made quieter on the way breaks it.
+    """
+
+    def envelope(samples: np.ndarray, rate: int) -> np.ndarray:
+        step = rate // 100
+        frames = samples[: len(samples) // step * step].astype(np.float32).reshape(-1, step) / 32768.0
+        return np.sqrt(np.mean(frames**2, axis=1))
+
+    sent, got = envelope(played, played_rate), envelope(heard, heard_rate)
+    loud = np.flatnonzero(sent > 0.01)
+    assert loud.size, "nothing loud was played"
+    sent = sent[loud[0] : loud[-1] + 1]
+    assert len(got) >= len(sent), f"played {10 * len(sent)} ms of sound, heard {10 * len(got)} ms in all"
+    # Where in what was heard it begins: the step that follows it best (Opus delays it by 6.5 ms).
+    fits = [float(np.corrcoef(sent, got[at : at + len(sent)])[0, 1]) for at in range(len(got) - len(sent) + 1)]
+    at = int(np.argmax(fits))
+    gain = float(np.sum(got[at : at + len(sent)]) / np.sum(sent))
+    assert fits[at] >= 0.9, f"what was heard does not follow what was played (correlation {fits[at]:.2f})"
+    assert 0.8 <= gain <= 1.25, f"what was heard is {gain:.2f} times as loud as what was played"
+    before, after = got[: max(0, at - 5)], got[at + len(sent) + 5 :]  # Opus smears an edge over a few ms
+    assert np.max(before, initial=0) < 0.01 and np.max(after, initial=0) < 0.01, "sound heard that was not played"
 
 
 def says(answer: str, fact: str) -> None:
@@ -283,6 +337,7 @@ def test_a_spoken_turn_over_webrtc_on_the_default_stack() -> None:
             question = "What is the capital of France?"
             pcm = float_to_pcm16(resample(say(SEMANTIC_VOICES[0], question), PIPELINE_RATE, RATE))
             call = await CallClient.open(f"http://127.0.0.1:{server.port}/v1", "unused", session=SETTINGS)
+            played = record_what_is_played(server, call.call_id)
             try:
                 created = await call.next_event("session.created")
                 assert created["session"]["instructions"] == INSTRUCTIONS  # the offer's configuration
@@ -291,6 +346,7 @@ def test_a_spoken_turn_over_webrtc_on_the_default_stack() -> None:
                 heard = await call.next_event("conversation.item.input_audio_transcription.completed", 30)
                 done = await call.next_event("response.done", 60)
                 await call.next_event("output_audio_buffer.stopped", 30)
+                await asyncio.sleep(0.3)  # its last packets on their way
                 assert word_error_rate(question, heard["transcript"]) <= 0.20, heard
                 answer = done["response"]["output"][0]["content"][0]["transcript"]
                 says(answer, r"\bParis\b")
@@ -299,6 +355,7 @@ def test_a_spoken_turn_over_webrtc_on_the_default_stack() -> None:
                 latency_ms = 1000 * (first - spoken_until)
                 print(f"\nWebRTC, default stack: end of speech -> first audio heard {latency_ms:.0f} ms")
                 track = pcm16_to_float(call.heard_between(first).tobytes())
+                check_carried(np.concatenate(played), 24_000, call.heard_between(spoken_until), 48_000)
                 check_answer_audio(server, answer, float_to_pcm16(resample(track, 48_000, RATE)))
             finally:
                 await call.close()

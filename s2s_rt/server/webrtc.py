@@ -186,7 +186,8 @@ class Playback(MediaStreamTrack):
                 queue.popleft()
         if self.playing is not None and not queue and self.playing in self._finished:
             self._stopped(self.playing)
-        frame = AudioFrame.from_ndarray(out.reshape(1, -1), format="s16", layout="mono")
+        # Both channels the same: a mono frame, upmixed by the encoder's resampler, comes out 3 dB quieter.
+        frame = AudioFrame.from_ndarray(np.repeat(out, 2).reshape(1, -1), format="s16", layout="stereo")
         frame.sample_rate = PLAY_RATE
         frame.pts = self._pts
         frame.time_base = fractions.Fraction(1, PLAY_RATE)
