@@ -130,7 +130,7 @@ def check_answer_audio(server: Server, answer: str, audio: bytes) -> None:
 
 
 def record_what_is_played(server: Server, call_id: str | None) -> list[np.ndarray]:
-    """The frames the server's track for ``call_id`` plays from now on (int16, one channel), as it hands them to the encoder."""
+    """The frames the server's track for ``call_id`` plays from now (int16, one channel), as the encoder got them."""
     assert server.calls is not None and call_id is not None
     media = server.calls.calls[call_id].media
     played: list[np.ndarray] = []

@@ -196,8 +196,7 @@ class Dispatcher:
                         "output_audio_buffer.clear is for WebRTC calls: over a WebSocket the client holds the"
                         " audio it was sent (cancel the response, and truncate the item at what was played)",
                     )
-                if media.busy:  # nothing playing or waiting: nothing to cut off
-                    await stage.outbox.emit(session.cut_off(*media.clear()), scope)
+                await stage.outbox.emit(session.cut_off(*media.clear()), scope)  # nothing, if nothing plays
             case ce.ResponseCancel():
                 events = session.handle(ev)
                 stage.metrics.turns.inc(status="cancelled")

@@ -285,7 +285,7 @@ class Listener:
                 events += session.cancel_response("turn_detected")
                 self.stage.metrics.turns.inc(status="cancelled")
             media = ctx.channel.media
-            if media is not None and media.busy:
+            if media is not None:
                 # A call's audio is played here: what is not yet heard is dropped, the item truncated at what was.
                 events += session.cut_off(*media.clear())
         self._emit(ctx, events)

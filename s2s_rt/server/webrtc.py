@@ -95,9 +95,9 @@ class Playback(MediaStreamTrack):
         self._pts = 0
         #: The response whose audio is playing (between ``started`` and ``stopped``/``cleared``).
         self.playing: str | None = None
-        #: The item whose audio played last, and how many ms of it have played.
+        #: The item whose audio is playing (while :attr:`playing` is set), and how many ms of it have played.
         self.item_id: str | None = None
-        self.played_ms: dict[str, float] = {}
+        self.played_ms = 0.0
         #: Responses whose audio has all been queued (it has ``stopped`` once it has all played).
         self._finished: set[str] = set()
         #: Responses whose remaining audio was cleared: anything of theirs that still comes is dropped.
@@ -125,11 +125,6 @@ class Playback(MediaStreamTrack):
     def queued_ms(self) -> float:
         return 1000 * sum(len(c.samples) - c.at for c in self._queue) / PLAY_RATE
 
-    @property
-    def busy(self) -> bool:
-        """Whether audio is playing or waiting to play."""
-        return self.playing is not None or bool(self._queue)
-
     def clear(self) -> tuple[str | None, str | None, float]:
         """Drop the audio not yet played.
 
@@ -150,7 +145,7 @@ class Playback(MediaStreamTrack):
         self._queue.clear()
         self.playing = None
         self.item_id = None
-        played = self.played_ms.get(item, 0.0) if item is not None else 0.0
+        played = self.played_ms if playing is not None else 0.0
         return playing, item, max(0.0, played - HEARD_DELAY_MS)
 
     async def recv(self) -> AudioFrame:
@@ -180,8 +175,9 @@ class Playback(MediaStreamTrack):
                     self._stopped(self.playing)
                 self.playing = chunk.response_id
                 self.notify("started", chunk.response_id)
-            self.item_id = chunk.item_id
-            self.played_ms[chunk.item_id] = self.played_ms.get(chunk.item_id, 0.0) + 1000 * n / PLAY_RATE
+            if self.item_id != chunk.item_id:
+                self.item_id, self.played_ms = chunk.item_id, 0.0
+            self.played_ms += 1000 * n / PLAY_RATE
             if chunk.at >= len(chunk.samples):
                 queue.popleft()
         if self.playing is not None and not queue and self.playing in self._finished:
@@ -196,7 +192,6 @@ class Playback(MediaStreamTrack):
     def _stopped(self, response_id: str) -> None:
         self._finished.discard(response_id)
         self.playing = None
-        self.item_id = None  # all of it was heard: nothing of it is cut off later
         self.notify("stopped", response_id)
 
 
