@@ -7,6 +7,7 @@ them, about 10 s). Each model is loaded once for the module.
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import shutil
@@ -17,11 +18,13 @@ from pathlib import Path
 
 import pytest
 
-from s2s_rt.engines.base import ChatMessage, FunctionCall, LLMRequest, LLMUsage
+from s2s_rt.engines.base import ChatMessage, FirstWordsPause, FunctionCall, LLMRequest, LLMUsage
 from s2s_rt.engines.chat_formats import ChatML, result_words
 from s2s_rt.engines.llm import CT2ChatLLM
+from s2s_rt.engines.llm_turns import HOLD_S
 from s2s_rt.engines.tokenizing import TextStream
 from s2s_rt.models import ModelError
+from s2s_rt.pipeline.clauses import ClauseSplitter
 from s2s_rt.protocol.prompt import call_message
 from s2s_rt.spoken_answer import DEFAULT_INSTRUCTIONS, with_answer_context
 from s2s_rt.toolcalls import CallFraming
@@ -434,6 +437,86 @@ def test_an_answer_whose_words_are_held_back_goes_first_only_for_its_first_token
     assert URGENT_TOKENS < 400
     # The other answer got its words out while the held-back one was still generating.
     assert firsts["other"] < ends["held"] and ends["other"] < ends["held"], (firsts, ends)
+
+
+# --- the pause while the first clause is made into speech ---------------------------------------
+
+PARIS = [ChatMessage("user", "Tell me about Paris in three sentences.")]
+
+
+def _paused(
+    llm: CT2ChatLLM, spoken_after_s: float | None, urgent: bool = False
+) -> tuple[list[tuple[float, str]], float]:
+    """The answer to PARIS streamed with a pause at its first clause, whose speech is made ``spoken_after_s``
+    after the reader cut that clause (None: never); each piece with when it came, and when the clause was cut."""
+    spoken = threading.Event()
+    reader = ClauseSplitter()  # the reader's own, as the pipeline cuts the answer
+    arrivals: list[tuple[float, str]] = []
+    cut = threading.Event()
+    cut_at = 0.0
+    pause = FirstWordsPause(ClauseSplitter().ends_first, spoken.is_set)
+    for piece in llm.stream(
+        LLMRequest.of(PARIS, max_tokens=60, temperature=0.0),
+        should_stop=_never,
+        usage=LLMUsage(),
+        urgent=(lambda: not cut.is_set()) if urgent else None,
+        pause=pause,
+    ):
+        now = time.monotonic()
+        arrivals.append((now, piece))
+        if not cut.is_set() and reader.feed(piece):
+            cut_at = now
+            cut.set()
+            if spoken_after_s is not None:
+                threading.Timer(spoken_after_s, spoken.set).start()
+    return arrivals, cut_at
+
+
+def test_an_answer_pauses_after_its_first_clause_until_its_speech_is_made(default_llm: CT2ChatLLM) -> None:
+    whole = answer(default_llm, PARIS, max_tokens=60)
+    arrivals, cut_at = _paused(default_llm, spoken_after_s=0.4)
+    assert "".join(piece for _, piece in arrivals) == whole  # the same greedy answer
+    before = [t for t, _ in arrivals if t <= cut_at]
+    after = [t for t, _ in arrivals if t > cut_at]
+    assert cut_at and after, arrivals
+    # The piece that ends the clause came as soon as it was written, not after the pause ...
+    assert max(b - a for a, b in itertools.pairwise(before)) < 0.3, arrivals
+    # ... and the next only once the speech was made.
+    assert after[0] - cut_at >= 0.35, (after[0] - cut_at, arrivals)
+
+
+def test_a_pause_whose_speech_never_comes_ends_after_its_bound(default_llm: CT2ChatLLM) -> None:
+    arrivals, cut_at = _paused(default_llm, spoken_after_s=None)
+    after = [t for t, _ in arrivals if t > cut_at]
+    assert after, arrivals
+    assert HOLD_S - 0.05 <= after[0] - cut_at <= HOLD_S + 0.3, after[0] - cut_at
+    assert default_llm.turns.held_out >= 1
+
+
+def test_a_paused_answer_lets_an_answer_waiting_for_its_first_words_go(tiny_llm: CT2ChatLLM) -> None:
+    """Another session's answer that has not spoken yet does not wait for this one's speech."""
+    firsts: dict[str, float] = {}
+    paused: list[tuple[list[tuple[float, str]], float]] = []
+    thread = threading.Thread(target=lambda: paused.append(_paused(tiny_llm, spoken_after_s=None, urgent=True)))
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not tiny_llm.turns.urgent and time.monotonic() < deadline:
+        time.sleep(0.001)
+    # Wait until the first answer is paused: its clause cut, nothing more coming.
+    while tiny_llm.turns.urgent and time.monotonic() < deadline:
+        time.sleep(0.001)
+    asked = time.monotonic()
+    for _ in tiny_llm.stream(
+        LLMRequest.of(QUESTION, max_tokens=8, temperature=0.0),
+        should_stop=_never,
+        usage=LLMUsage(),
+        urgent=lambda: True,
+    ):
+        firsts.setdefault("other", time.monotonic())
+    thread.join(timeout=60)
+    ((_, cut_at),) = paused
+    assert cut_at < asked < cut_at + HOLD_S / 2, (cut_at, asked)  # asked while the first answer was paused
+    assert firsts["other"] - asked < HOLD_S / 2, firsts["other"] - asked
 
 
 # --- the date, only when asked ------------------------------------------------------------------

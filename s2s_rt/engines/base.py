@@ -128,6 +128,22 @@ class LLMUsage:
 
 
 @dataclass(frozen=True, slots=True)
+class FirstWordsPause:
+    """Where an answer pauses while its first words are made into speech, and until when.
+
+    On two cores the model's threads and the speech synthesiser's would
+    share the cores while the user waits for the first clause's speech; the
+    model pauses instead, right after the token that ends that clause.
+    Both checks are called from the model's thread.
+    """
+
+    #: Fed the answer's text piece by piece as the model writes it: True at the piece that ends the first clause.
+    ends_first_clause: Callable[[str], bool]
+    #: True once that clause's speech is made (or no longer wanted): the model goes on.
+    spoken: Callable[[], bool]
+
+
+@dataclass(frozen=True, slots=True)
 class LLMRequest:
     """What a chat model is asked, as one value: every engine's ``stream`` takes it.
 
@@ -203,7 +219,9 @@ class TakesTurns(Protocol):
     """An LLM whose answers not yet heard decode before answers already being heard.
 
     Its ``stream`` also takes ``urgent`` (a thread-safe check: is this
-    answer still waiting for its first words?); ``turns`` keeps count.
+    answer still waiting for its first words?) and ``pause`` (where it
+    waits while its first words are made into speech); ``turns`` keeps
+    count.
     """
 
     turns: Any
@@ -215,6 +233,7 @@ class TakesTurns(Protocol):
         should_stop: StopCheck,
         usage: LLMUsage,
         urgent: Callable[[], bool] | None = None,
+        pause: FirstWordsPause | None = None,
     ) -> Iterator[str]: ...
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import functools
 import logging
+import queue
 import threading
 import weakref
 from collections.abc import Callable, Generator, Sequence
@@ -25,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from s2s_rt.engines.base import ChatMessage, LLMRequest, LLMUsage, StopCheck
+from s2s_rt.engines.base import ChatMessage, FirstWordsPause, LLMRequest, LLMUsage, StopCheck
 from s2s_rt.engines.chat_formats import ChatFormat, ChatPrompt
 from s2s_rt.engines.kept_state import MIN_KEPT_TOKENS, PROBE, KeptStateCheck, check_kept_state
 from s2s_rt.engines.llm_turns import SENTENCE_END, URGENT_TOKENS, Turns
@@ -220,6 +221,7 @@ class CT2ChatLLM:
         should_stop: StopCheck,
         usage: LLMUsage,
         urgent: Callable[[], bool] | None = None,
+        pause: FirstWordsPause | None = None,
     ) -> Generator[str, None, None]:
         """Yield the assistant's answer to ``request`` as pieces of text.
 
@@ -242,6 +244,10 @@ class CT2ChatLLM:
                 answers that are not urgent stop between tokens while another
                 is, and resume (reading what they said so far again) once
                 none is (:class:`Turns`).
+            pause: decoding pauses after the token that ends the first
+                clause until its speech is made, for at most
+                :data:`~s2s_rt.engines.llm_turns.HOLD_S`, and not while
+                another answer waits for its first words (:meth:`Turns.hold`).
         """
         generator = self._generator
         if generator is None:
@@ -265,13 +271,29 @@ class CT2ChatLLM:
         if waiting:
             turns.enter()
 
-        def give_way() -> bool:
-            # Runs in CTranslate2's worker after each token: stops the decoding itself, not only our reading of it.
+        # The text as the pause sees it, decoded in CTranslate2's worker, before the next token is computed.
+        pause_text = TextStream(self._tokenizer) if pause is not None else None
+
+        def give_way(step: Any, closed: threading.Event) -> bool:
+            # Runs in CTranslate2's worker after each token, the token already handed over: stops the decoding
+            # itself, not only our reading of it, or pauses it.
+            nonlocal pause
+            if pause is not None and pause_text is not None and step.token_id not in self._end_ids:
+                piece = pause_text.push(step.token_id)
+                if piece and pause.ends_first_clause(piece):
+                    spoken = pause.spoken
+                    turns.hold(
+                        lambda: not spoken(),
+                        lambda: closed.is_set() or should_stop(),
+                        own=lambda: 1 if waiting else 0,
+                    )
+                    pause = None  # once: the first clause only
             return should_stop() or (not waiting and turns.urgent > 0)
 
         try:
             while True:
-                steps = generator.generate_tokens(
+                steps = _token_steps(
+                    generator,
                     [self._vocabulary[i] for i in prompt + said],
                     static_prompt=static_tokens,
                     max_length=max_tokens - len(said),
@@ -280,7 +302,7 @@ class CT2ChatLLM:
                     sampling_temperature=1.0 if greedy else temperature,
                     repetition_penalty=self._repetition_penalty,
                     end_token=self._end_ids,
-                    callback=lambda _step: give_way(),
+                    callback=give_way,
                 )
                 ended = False
                 try:
@@ -464,6 +486,47 @@ class CT2ChatLLM:
 
 #: Engines still loaded, released before the interpreter shuts down.
 _LOADED: weakref.WeakSet[CT2ChatLLM] = weakref.WeakSet()
+
+
+def _token_steps(
+    generator: Any, prompt: list[str], *, callback: Callable[[Any, threading.Event], bool], **options: Any
+) -> Generator[Any, None, None]:
+    """``generator.generate_tokens(prompt, **options)``, but each token is handed over before ``callback`` sees it.
+
+    CTranslate2's own calls the callback first: one that pauses the
+    decoding would hold back the token it pauses after.
+    ``callback(step, closed)`` runs in CTranslate2's worker after each
+    token; True stops the decoding, as does closing this generator (which
+    sets ``closed`` and waits for the decoding to end).
+    """
+    steps: queue.SimpleQueue[Any] = queue.SimpleQueue()
+    closed = threading.Event()
+
+    def each(step: Any) -> bool:
+        steps.put(step)
+        return closed.is_set() or callback(step, closed)
+
+    results = generator.generate_batch(
+        [prompt], asynchronous=True, beam_size=1, include_prompt_in_result=False, callback=each, **options
+    )
+
+    def wait() -> None:
+        try:
+            results[0].result()
+        except Exception as exc:  # handed to the reader, which raises it
+            steps.put(exc)
+        steps.put(None)
+
+    waiter = threading.Thread(target=wait, name="s2s-llm-steps", daemon=True)
+    waiter.start()
+    try:
+        while (step := steps.get()) is not None:
+            if isinstance(step, Exception):
+                raise step
+            yield step
+    finally:
+        closed.set()
+        waiter.join()
 
 
 @atexit.register

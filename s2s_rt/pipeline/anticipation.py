@@ -71,6 +71,9 @@ class Anticipation:
         #: The first clause, and its speech as the TTS engine made it (synthesised ahead).
         self.first_clause: str | None = None
         self.first_audio: asyncio.Task[SpokenAhead | None] | None = None
+        #: Its first clause's speech is made (or will not be): the model, paused at that clause's end, goes on.
+        #: Read from the model's thread.
+        self.first_spoken = False
         #: ``perf_counter()`` times of its first piece and of its first clause's end, and the tokens to that end
         #: (the turn's waterfall, :class:`~s2s_rt.pipeline.work.TurnTiming`).
         self.first_token: float | None = None
@@ -121,6 +124,19 @@ class Anticipation:
             self._changed.clear()
             if i == len(self.pieces) and not self.done:
                 await self._changed.wait()
+
+    def speak_first(self, clause: str, speech: asyncio.Task[SpokenAhead | None] | None) -> None:
+        """The first clause is complete, and ``speech`` makes it (None: its session is closing)."""
+        self.first_clause = clause
+        self.first_audio = speech
+        if speech is None:
+            self.first_spoken = True
+            return
+
+        def spoken(_: asyncio.Task[SpokenAhead | None]) -> None:
+            self.first_spoken = True
+
+        speech.add_done_callback(spoken)
 
     def first_speech(self, clause: str) -> asyncio.Task[SpokenAhead | None] | None:
         """The speech synthesised ahead for ``clause``, if it is the first clause (given once)."""

@@ -118,3 +118,10 @@ class ClauseSplitter:
         rest, self.text = self.text.strip(), ""
         self._scanned = 0
         return rest
+
+    def ends_first(self, piece: str) -> bool:
+        """Fed an answer piece by piece (as :meth:`feed`): True at the piece that completes the first clause.
+
+        For the model's own thread (:class:`~s2s_rt.engines.base.FirstWordsPause`), on a splitter of its own.
+        """
+        return self.first and bool(self.feed(piece))

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from s2s_rt.engines.base import (
     AsyncLLM,
     ChatMessage,
+    FirstWordsPause,
     FunctionCall,
     LLMError,
     LLMRequest,
@@ -111,6 +112,7 @@ class Responder:
         clauses = ClauseSplitter(first_words=stage.first_clause_words)
         spoke = False
         self._words_out = False
+        made = stage.outbox.timings.get(r.id)  # when its first clause's speech was made
         answered = answered_calls(asked.messages)
         told_invalid = False
         for attempt in range(3):
@@ -130,7 +132,17 @@ class Responder:
                 else:
                     answer = functools.partial(llm.stream, asked, should_stop=stale, usage=usage)
                     if isinstance(llm, TakesTurns):
-                        answer = functools.partial(answer, urgent=lambda: not self._words_out)
+                        answer = functools.partial(
+                            answer,
+                            urgent=lambda: not self._words_out,
+                            # Spoken, it pauses at its first clause's end while that clause's speech is made.
+                            pause=None
+                            if not r.audio or asked.tools or made is None
+                            else FirstWordsPause(
+                                ClauseSplitter(first_words=stage.first_clause_words).ends_first,
+                                lambda: made.synthesised is not None or scope.stale,
+                            ),
+                        )
                     pieces = contextlib.nullcontext(stage.pools["llm"].stream(answer, gate=ctx.llm_gate))
                 timing = stage.outbox.timings.get(r.id)
                 if ahead is not None and attempt == 0:

@@ -28,7 +28,15 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from s2s_rt.engines.base import ChatMessage, Float32Array, JudgesTurnEnd, LLMRequest, TakesTurns, Transcript
+from s2s_rt.engines.base import (
+    ChatMessage,
+    FirstWordsPause,
+    Float32Array,
+    JudgesTurnEnd,
+    LLMRequest,
+    TakesTurns,
+    Transcript,
+)
 from s2s_rt.lifecycle import Lifecycle
 from s2s_rt.listening.buffer import join
 from s2s_rt.pipeline.anticipation import Anticipation, SpokenAhead, can_anticipate
@@ -393,9 +401,16 @@ async def _answer_ahead(
     llm = stage.stack.llm
     stream = functools.partial(llm.stream, ahead.request, should_stop=lambda: ahead.scope.stale, usage=ahead.usage)
     if isinstance(llm, TakesTurns):
-        # Urgent until its first clause is cut (or, unspoken, its first words are out).
+        # Urgent until its first clause is cut (or, unspoken, its first words are out); spoken, it pauses at
+        # that clause's end while its speech is made.
         stream = functools.partial(
-            stream, urgent=lambda: (ahead.first_clause is None) if splitter is not None else not ahead.pieces
+            stream,
+            urgent=lambda: (ahead.first_clause is None) if splitter is not None else not ahead.pieces,
+            pause=None
+            if splitter is None
+            else FirstWordsPause(
+                ClauseSplitter(first_words=stage.first_clause_words).ends_first, lambda: ahead.first_spoken
+            ),
         )
     try:
         async for piece in stage.pools["llm"].stream(stream, gate=ahead.gate):
@@ -405,9 +420,9 @@ async def _answer_ahead(
                 if clauses:
                     ahead.first_clause_at = time.perf_counter()
                     ahead.clause_tokens = ahead.usage.output_tokens
-                    ahead.first_clause = clauses[0]
-                    ahead.first_audio = stage.spawn(
-                        ahead.scope, _speak_first_clause(stage, ahead, clauses[0], voice), "ahead-tts"
+                    ahead.speak_first(
+                        clauses[0],
+                        stage.spawn(ahead.scope, _speak_first_clause(stage, ahead, clauses[0], voice), "ahead-tts"),
                     )
     except Exception as exc:
         ahead.end(exc)

@@ -318,6 +318,8 @@ class Server:
             "prefixes": len(llm.prefixes),
             "reloads": llm.reloads,
             "answers_resumed": llm.turns.resumed,
+            "answers_paused": llm.turns.held,
+            "pauses_run_out": llm.turns.held_out,
         }
 
     def _held_bytes(self) -> dict[str, int]:
