@@ -20,6 +20,12 @@ class ConfigError(ValueError):
     """A configuration value that cannot be used; the message says which."""
 
 
+#: ``speculate_after_ms`` on the default stack: Silero's windows are 32 ms, so the turn so far is transcribed
+#: 128 ms after the last voiced window (160 ms at 150). Measured on 2 cores, single-fresh: first audio about
+#: 30 ms sooner than at 150, and no speculation dropped on the load script's questions (BENCHMARKS.md).
+DEFAULT_SPECULATE_AFTER_MS = 100
+
+
 class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # Network
     host: str = "127.0.0.1"
@@ -130,7 +136,8 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     models: str | None = None
     #: Transcribe a turn once its closing silence has lasted this long, before
     #: ``silence_duration_ms`` ends it, so the answer starts sooner; the guess is
-    #: dropped if speech returns. 0 turns it off; unset: 150 on the default stack, off on the fake one.
+    #: dropped if speech returns. 0 turns it off; unset: :data:`DEFAULT_SPECULATE_AFTER_MS` on the default
+    #: stack, off on the fake one.
     speculate_after_ms: int | None = None
     #: ``semantic_vad``: the shortest silence that ends a turn (when the words so far sound finished), and
     #: how long a silence ends it while they have not been judged yet (the LLM busy, or a remote one).

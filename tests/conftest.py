@@ -26,6 +26,7 @@ from conformance import validate_server_event
 from websockets.asyncio.client import ClientConnection, connect
 
 from s2s_rt import Config, Server
+from s2s_rt.config import DEFAULT_SPECULATE_AFTER_MS
 from s2s_rt.engines.base import Stack
 from s2s_rt.models import PreparedModels
 from s2s_rt.wer import word_error_rate, words  # noqa: F401 - shared with the test modules
@@ -94,7 +95,7 @@ def run(coro: Awaitable[T], timeout: float = 60.0) -> T:
 
 #: What the default stack does and the fake one does not, unless asked: transcribe a turn (and begin its
 #: answer) once its closing silence has lasted this long (``Config.speculate_after_ms``).
-DEFAULT_STACK_SPECULATE_AFTER_MS = 150
+DEFAULT_STACK_SPECULATE_AFTER_MS = DEFAULT_SPECULATE_AFTER_MS
 
 #: Config fields every :func:`live_server` of the running test gets (set by fixtures such as :func:`speculation`).
 _live_defaults: dict[str, Any] = {}

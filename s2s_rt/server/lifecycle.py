@@ -25,7 +25,7 @@ from typing import Any
 
 from websockets.asyncio.server import serve
 
-from s2s_rt.config import Config
+from s2s_rt.config import DEFAULT_SPECULATE_AFTER_MS, Config
 from s2s_rt.engines.base import KeepsPrefixes, Stack
 from s2s_rt.inference import StagePool
 from s2s_rt.listening.clock import ListeningClock
@@ -174,7 +174,7 @@ class Server:
                 speculate_after_ms=(
                     cfg.speculate_after_ms
                     if cfg.speculate_after_ms is not None
-                    else (150 if self.stack.name == "default" else 0)
+                    else (DEFAULT_SPECULATE_AFTER_MS if self.stack.name == "default" else 0)
                 ),
                 first_clause_words=cfg.first_clause_words,
                 semantic=SemanticTurnEnd(
