@@ -17,7 +17,6 @@ from __future__ import annotations
 import atexit
 import functools
 import logging
-import queue
 import threading
 import weakref
 from collections.abc import Callable, Generator, Sequence
@@ -29,7 +28,7 @@ import numpy as np
 from s2s_rt.engines.base import ChatMessage, FirstWordsPause, LLMRequest, LLMUsage, StopCheck
 from s2s_rt.engines.chat_formats import ChatFormat, ChatPrompt
 from s2s_rt.engines.kept_state import MIN_KEPT_TOKENS, PROBE, KeptStateCheck, check_kept_state
-from s2s_rt.engines.llm_turns import SENTENCE_END, URGENT_TOKENS, Turns
+from s2s_rt.engines.llm_turns import SENTENCE_END, AnswerTurn, Turns, token_steps
 from s2s_rt.engines.prompt_cache import ConversationPrefixes, StaticPrefixes
 from s2s_rt.engines.tokenizing import TextStream, begin_ids, load_tokenizer, read_json, read_vocabulary
 from s2s_rt.memory import release_freed_memory
@@ -267,32 +266,19 @@ class CT2ChatLLM:
         text = TextStream(self._tokenizer)
         framing = CallFraming(required=require_tool) if tools else None
         turns = self.turns
-        waiting = urgent is not None and urgent()
-        if waiting:
-            turns.enter()
-
-        # The text as the pause sees it, decoded in CTranslate2's worker, before the next token is computed.
-        pause_text = TextStream(self._tokenizer) if pause is not None else None
-
-        def give_way(step: Any, closed: threading.Event) -> bool:
-            # Runs in CTranslate2's worker after each token, the token already handed over: stops the decoding
-            # itself, not only our reading of it, or pauses it.
-            nonlocal pause
-            if pause is not None and pause_text is not None and step.token_id not in self._end_ids:
-                piece = pause_text.push(step.token_id)
-                if piece and pause.ends_first_clause(piece):
-                    spoken = pause.spoken
-                    turns.hold(
-                        lambda: not spoken(),
-                        lambda: closed.is_set() or should_stop(),
-                        own=lambda: 1 if waiting else 0,
-                    )
-                    pause = None  # once: the first clause only
-            return should_stop() or (not waiting and turns.urgent > 0)
+        # The pause sees the text as decoded in CTranslate2's worker, before the next token is computed.
+        place = AnswerTurn(
+            turns,
+            TextStream(self._tokenizer).push,
+            self._end_ids,
+            urgent=urgent,
+            pause=pause,
+            should_stop=should_stop,
+        )
 
         try:
             while True:
-                steps = _token_steps(
+                steps = token_steps(
                     generator,
                     [self._vocabulary[i] for i in prompt + said],
                     static_prompt=static_tokens,
@@ -302,7 +288,7 @@ class CT2ChatLLM:
                     sampling_temperature=1.0 if greedy else temperature,
                     repetition_penalty=self._repetition_penalty,
                     end_token=self._end_ids,
-                    callback=give_way,
+                    callback=place.after_token,
                 )
                 ended = False
                 try:
@@ -319,12 +305,7 @@ class CT2ChatLLM:
                             piece = framing.feed(piece)
                         if piece:
                             yield piece
-                        if waiting and (len(said) >= URGENT_TOKENS or (urgent is not None and not urgent())):
-                            # It has spoken, or had its share: from now on it gives way to answers that have not.
-                            # (An answer whose words are held back, a tool call, would otherwise stay urgent for
-                            # its whole length and hold every other session's answer.)
-                            waiting = False
-                            turns.leave()
+                        place.took(len(said))
                 finally:
                     # Closing tells CTranslate2 to stop at its next token and waits for it.
                     steps.close()
@@ -336,8 +317,7 @@ class CT2ChatLLM:
                     return
                 turns.resumed += 1
         finally:
-            if waiting:
-                turns.leave()
+            place.close()
         rest = framing.finish() if framing is not None else ""
         if rest and not should_stop():
             yield rest
@@ -486,47 +466,6 @@ class CT2ChatLLM:
 
 #: Engines still loaded, released before the interpreter shuts down.
 _LOADED: weakref.WeakSet[CT2ChatLLM] = weakref.WeakSet()
-
-
-def _token_steps(
-    generator: Any, prompt: list[str], *, callback: Callable[[Any, threading.Event], bool], **options: Any
-) -> Generator[Any, None, None]:
-    """``generator.generate_tokens(prompt, **options)``, but each token is handed over before ``callback`` sees it.
-
-    CTranslate2's own calls the callback first: one that pauses the
-    decoding would hold back the token it pauses after.
-    ``callback(step, closed)`` runs in CTranslate2's worker after each
-    token; True stops the decoding, as does closing this generator (which
-    sets ``closed`` and waits for the decoding to end).
-    """
-    steps: queue.SimpleQueue[Any] = queue.SimpleQueue()
-    closed = threading.Event()
-
-    def each(step: Any) -> bool:
-        steps.put(step)
-        return closed.is_set() or callback(step, closed)
-
-    results = generator.generate_batch(
-        [prompt], asynchronous=True, beam_size=1, include_prompt_in_result=False, callback=each, **options
-    )
-
-    def wait() -> None:
-        try:
-            results[0].result()
-        except Exception as exc:  # handed to the reader, which raises it
-            steps.put(exc)
-        steps.put(None)
-
-    waiter = threading.Thread(target=wait, name="s2s-llm-steps", daemon=True)
-    waiter.start()
-    try:
-        while (step := steps.get()) is not None:
-            if isinstance(step, Exception):
-                raise step
-            yield step
-    finally:
-        closed.set()
-        waiter.join()
 
 
 @atexit.register

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import queue
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator, Sequence
+from typing import Any
 
-from s2s_rt.engines.base import StopCheck
+from s2s_rt.engines.base import FirstWordsPause, StopCheck
 
 #: Vocabulary entries that end a sentence: marks, then perhaps quotes and line breaks (byte-level BPE
 #: writes a space as "Ġ" and a line break as "Ċ"; SentencePiece a space as "▁").
@@ -73,3 +75,113 @@ class Turns:
         with self._changed:
             while self.urgent and not should_stop():
                 self._changed.wait(0.05)
+
+
+class AnswerTurn:
+    """One answer's place in the turn-taking: urgent until it has spoken, then giving way; pausing once.
+
+    The reader of the answer's tokens calls :meth:`took` after each token
+    and :meth:`close` at the end; CTranslate2's worker calls
+    :meth:`after_token` (see :func:`token_steps`).
+
+    Args:
+        turns: the model's turn-taking.
+        decode: turns a token id into text (a fresh ``TextStream``'s ``push``), for the pause.
+        end_ids: tokens that end the answer.
+        urgent: True while the answer has not been heard yet; None: never urgent.
+        pause: where the answer pauses while its first words are made into speech.
+        should_stop: True ends the answer.
+    """
+
+    def __init__(
+        self,
+        turns: Turns,
+        decode: Callable[[int], str],
+        end_ids: Sequence[int],
+        *,
+        urgent: Callable[[], bool] | None,
+        pause: FirstWordsPause | None,
+        should_stop: StopCheck,
+    ) -> None:
+        self._turns = turns
+        self._decode = decode
+        self._end_ids = end_ids
+        self._urgent = urgent
+        self._pause = pause
+        self._should_stop = should_stop
+        #: True while the answer is counted in ``turns.urgent``.
+        self.waiting = urgent is not None and urgent()
+        if self.waiting:
+            turns.enter()
+
+    def after_token(self, step: Any, closed: threading.Event) -> bool:
+        """Run in CTranslate2's worker after each token, the token already handed over: True stops the decoding
+        itself (not only our reading of it); it may block, which pauses it."""
+        pause = self._pause
+        if pause is not None and step.token_id not in self._end_ids:
+            piece = self._decode(step.token_id)
+            if piece and pause.ends_first_clause(piece):
+                spoken = pause.spoken
+                self._turns.hold(
+                    lambda: not spoken(),
+                    lambda: closed.is_set() or self._should_stop(),
+                    own=lambda: 1 if self.waiting else 0,
+                )
+                self._pause = None  # once: the first clause only
+        return self._should_stop() or (not self.waiting and self._turns.urgent > 0)
+
+    def took(self, said: int) -> None:
+        """The reader has ``said`` tokens of the answer so far."""
+        if self.waiting and (said >= URGENT_TOKENS or (self._urgent is not None and not self._urgent())):
+            # It has spoken, or had its share: from now on it gives way to answers that have not. (An answer
+            # whose words are held back, a tool call, would otherwise stay urgent for its whole length and
+            # hold every other session's answer.)
+            self.waiting = False
+            self._turns.leave()
+
+    def close(self) -> None:
+        """The answer ended, whole or not."""
+        if self.waiting:
+            self.waiting = False
+            self._turns.leave()
+
+
+def token_steps(
+    generator: Any, prompt: list[str], *, callback: Callable[[Any, threading.Event], bool], **options: Any
+) -> Generator[Any, None, None]:
+    """``generator.generate_tokens(prompt, **options)``, but each token is handed over before ``callback`` sees it.
+
+    CTranslate2's own calls the callback first: one that pauses the
+    decoding would hold back the token it pauses after.
+    ``callback(step, closed)`` runs in CTranslate2's worker after each
+    token; True stops the decoding, as does closing this generator (which
+    sets ``closed`` and waits for the decoding to end).
+    """
+    steps: queue.SimpleQueue[Any] = queue.SimpleQueue()
+    closed = threading.Event()
+
+    def each(step: Any) -> bool:
+        steps.put(step)
+        return closed.is_set() or callback(step, closed)
+
+    results = generator.generate_batch(
+        [prompt], asynchronous=True, beam_size=1, include_prompt_in_result=False, callback=each, **options
+    )
+
+    def wait() -> None:
+        try:
+            results[0].result()
+        except Exception as exc:  # handed to the reader, which raises it
+            steps.put(exc)
+        steps.put(None)
+
+    waiter = threading.Thread(target=wait, name="s2s-llm-steps", daemon=True)
+    waiter.start()
+    try:
+        while (step := steps.get()) is not None:
+            if isinstance(step, Exception):
+                raise step
+            yield step
+    finally:
+        closed.set()
+        waiter.join()
