@@ -20,10 +20,11 @@ class ConfigError(ValueError):
     """A configuration value that cannot be used; the message says which."""
 
 
-#: ``speculate_after_ms`` on the default stack: Silero's windows are 32 ms, so the turn so far is transcribed
-#: 128 ms after the last voiced window (160 ms at 150). Measured on 2 cores, single-fresh: first audio about
-#: 30 ms sooner than at 150, and no speculation dropped on the load script's questions (BENCHMARKS.md).
-DEFAULT_SPECULATE_AFTER_MS = 100
+#: ``speculate_after_ms`` on the default stack: two of Silero's 32 ms windows, so the turn so far is transcribed
+#: about 70 ms after the last voiced window (130-140 ms at 100, 160 ms at 150). Measured on 2 cores, single-fresh:
+#: the answer's first audio as much sooner, and no more speculations dropped than at 100 in three voices
+#: (BENCHMARKS.md, "The work before the first word").
+DEFAULT_SPECULATE_AFTER_MS = 64
 
 
 class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -150,7 +151,9 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     vad_threads: int = 1
     stt_threads: int = 1
     llm_threads: int = 2
-    tts_threads: int = 1
+    #: Two: the LLM pauses while an answer's first clause is made into speech, so Piper has both cores then
+    #: (its step 120-150 -> 100-120 ms on 2 cores, alone and with two sessions; BENCHMARKS.md).
+    tts_threads: int = 2
     #: The STT, LLM and TTS threads run this much nicer (Linux nice steps, 0-19) than the event loop
     #: and the VAD, so that when the cores are full, answers wait rather than every session's VAD
     #: decisions. 0: all at the same priority.

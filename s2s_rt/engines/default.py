@@ -27,7 +27,7 @@ def load_default_stack(
     device: str = "auto",
     stt_threads: int = 1,
     llm_threads: int = 1,
-    tts_threads: int = 1,
+    tts_threads: int = 2,
     vad_threads: int = 1,
     languages: Sequence[str] = (),
     llm_temperature_scale: float = 1.0,
