@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import re
 import shutil
 import threading
@@ -399,6 +400,19 @@ def test_a_required_call_in_bold_is_cleaned() -> None:
     assert rest == '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
 
 
+def _answered_unheard(llm: CT2ChatLLM) -> tuple[float, float]:
+    """Another session's short answer that has not been heard yet: when its first piece came, and when it ended."""
+    first = math.inf
+    for _ in llm.stream(
+        LLMRequest.of(QUESTION, max_tokens=8, temperature=0.0),
+        should_stop=_never,
+        usage=LLMUsage(),
+        urgent=lambda: True,
+    ):
+        first = min(first, time.monotonic())
+    return first, time.monotonic()
+
+
 def test_an_answer_whose_words_are_held_back_goes_first_only_for_its_first_tokens(tiny_llm: CT2ChatLLM) -> None:
     """A held-back answer (a tool call is never "heard" until it ends) must not hold every other answer."""
     from s2s_rt.engines.llm_turns import URGENT_TOKENS
@@ -420,14 +434,7 @@ def test_an_answer_whose_words_are_held_back_goes_first_only_for_its_first_token
 
     def other() -> None:
         started.wait(30)
-        for _ in tiny_llm.stream(
-            LLMRequest.of(QUESTION, max_tokens=8, temperature=0.0),
-            should_stop=_never,
-            usage=LLMUsage(),
-            urgent=lambda: True,
-        ):
-            firsts.setdefault("other", time.monotonic())
-        ends["other"] = time.monotonic()
+        firsts["other"], ends["other"] = _answered_unheard(tiny_llm)
 
     threads = [threading.Thread(target=held_back), threading.Thread(target=other)]
     for thread in threads:
@@ -506,13 +513,7 @@ def test_a_paused_answer_lets_an_answer_waiting_for_its_first_words_go(tiny_llm:
     while tiny_llm.turns.urgent and time.monotonic() < deadline:
         time.sleep(0.001)
     asked = time.monotonic()
-    for _ in tiny_llm.stream(
-        LLMRequest.of(QUESTION, max_tokens=8, temperature=0.0),
-        should_stop=_never,
-        usage=LLMUsage(),
-        urgent=lambda: True,
-    ):
-        firsts.setdefault("other", time.monotonic())
+    firsts["other"], _ = _answered_unheard(tiny_llm)
     thread.join(timeout=60)
     ((_, cut_at),) = paused
     assert cut_at < asked < cut_at + HOLD_S / 2, (cut_at, asked)  # asked while the first answer was paused
