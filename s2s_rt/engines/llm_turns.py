@@ -136,11 +136,10 @@ class AnswerTurn:
             # It has spoken, or had its share: from now on it gives way to answers that have not. (An answer
             # whose words are held back, a tool call, would otherwise stay urgent for its whole length and
             # hold every other session's answer.)
-            self.waiting = False
-            self._turns.leave()
+            self.close()
 
     def close(self) -> None:
-        """The answer ended, whole or not."""
+        """The answer has spoken, had its share, or ended: it no longer goes before others."""
         if self.waiting:
             self.waiting = False
             self._turns.leave()
