@@ -12,7 +12,8 @@ import contextlib
 import json
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -65,13 +66,16 @@ def test_load_script_answers_every_turn_and_reports_every_interval(tmp_path: Pat
     assert "END OF SPEECH → FIRST AUDIO DELTA" in done.stdout
 
 
-@asynccontextmanager
-async def injecting_proxy(upstream: str) -> AsyncIterator[tuple[str, asyncio.Event]]:
-    """A relay that copies the first session's first transcript into the second session."""
-    downstream: list[ServerConnection] = []
-    injected = asyncio.Event()
+#: Passes one server message on to the load script: (which connection, the message, every connection so far).
+Forward = Callable[[int, str, list[ServerConnection]], Awaitable[None]]
 
-    async def relay(down: ServerConnection) -> None:
+
+@asynccontextmanager
+async def relay(upstream: str, forward: Forward) -> AsyncIterator[str]:
+    """A relay between the load script and ``upstream``; ``forward`` sends each server message on."""
+    downstream: list[ServerConnection] = []
+
+    async def connection(down: ServerConnection) -> None:
         index = len(downstream)
         downstream.append(down)
         async with connect(upstream, max_size=None) as up:
@@ -82,13 +86,7 @@ async def injecting_proxy(upstream: str) -> AsyncIterator[tuple[str, asyncio.Eve
 
             async def to_client() -> None:
                 async for message in up:
-                    await down.send(message)
-                    event: dict[str, Any] = json.loads(message)
-                    transcript = event["type"] == "conversation.item.input_audio_transcription.completed"
-                    if index == 0 and transcript and len(downstream) > 1 and not injected.is_set():
-                        with contextlib.suppress(ConnectionClosed):
-                            await downstream[1].send(message)
-                            injected.set()
+                    await forward(index, str(message), downstream)
 
             tasks = [asyncio.create_task(to_server()), asyncio.create_task(to_client())]
             with contextlib.suppress(ConnectionClosed):
@@ -97,9 +95,27 @@ async def injecting_proxy(upstream: str) -> AsyncIterator[tuple[str, asyncio.Eve
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async with serve(relay, "127.0.0.1", 0, max_size=None) as proxy:
+    async with serve(connection, "127.0.0.1", 0, max_size=None) as proxy:
         port = proxy.sockets[0].getsockname()[1]
-        yield f"ws://127.0.0.1:{port}/v1/realtime", injected
+        yield f"ws://127.0.0.1:{port}/v1/realtime"
+
+
+@asynccontextmanager
+async def injecting_proxy(upstream: str) -> AsyncIterator[tuple[str, asyncio.Event]]:
+    """A relay that copies the first session's first transcript into the second session."""
+    injected = asyncio.Event()
+
+    async def forward(index: int, message: str, downstream: list[ServerConnection]) -> None:
+        await downstream[index].send(message)
+        event: dict[str, Any] = json.loads(message)
+        transcript = event["type"] == "conversation.item.input_audio_transcription.completed"
+        if index == 0 and transcript and len(downstream) > 1 and not injected.is_set():
+            with contextlib.suppress(ConnectionClosed):
+                await downstream[1].send(message)
+                injected.set()
+
+    async with relay(upstream, forward) as url:
+        yield url, injected
 
 
 def test_load_script_fails_on_an_event_from_another_session(tmp_path: Path) -> None:
@@ -157,3 +173,43 @@ def test_load_script_counts_questions_cut_off_in_their_pause(tmp_path: Path) -> 
     assert semantic["settings"]["turn_detection"] == "semantic_vad"
     # The fake model finds every pause a finished question: semantic_vad ends each turn at its shortest wait.
     assert semantic["cut_off_turns"] == 2
+
+
+def test_load_script_hears_the_silence_inside_an_answer(tmp_path: Path) -> None:
+    """A relay holds each answer's second audio delta until 0.3 s after the first delta's audio has played out:
+    a listener hears 0.3 s of silence inside every answer, and the report says so."""
+    hold_s = 0.3
+    held: list[float] = []
+    deltas = 0
+    first = (0.0, 0.0)  # the answer's first delta: its audio's seconds, when it was passed on
+
+    async def forward(index: int, message: str, downstream: list[ServerConnection]) -> None:
+        nonlocal deltas, first
+        event: dict[str, Any] = json.loads(message)
+        if event["type"] == "response.created":
+            deltas = 0
+        elif event["type"] == "response.output_audio.delta":
+            deltas += 1
+            if deltas == 1:
+                # base64 of 16-bit samples at 24 kHz
+                first = (len(event["delta"]) * 3 / 4 / 2 / 24_000, time.perf_counter())
+            elif deltas == 2:
+                seconds, at = first
+                await asyncio.sleep(max(0.0, at + seconds + hold_s - time.perf_counter()))
+                held.append(seconds)
+        await downstream[index].send(message)
+
+    async def scenario() -> dict[str, Any]:
+        async with live_server(pool_size=1) as server:
+            async with relay(f"ws://127.0.0.1:{server.port}/v1/realtime", forward) as url:
+                argv = ["--url", url, "--sessions", "1", "--turns", "2", *QUICK]
+                return await run_async(parse_args([*argv, "--speech-cache", str(tmp_path)]))
+
+    report = run(scenario(), timeout=60)
+    assert len(held) == 2, "each answer should come in more than one audio delta"
+    assert report["counts"]["turns_answered"] == 2
+    gaps = report["answer_gaps"]
+    assert gaps["turns"] == gaps["turns_with_a_gap"] == 2
+    for turn in report["turns"]:
+        assert turn["answer_gaps"] >= 1
+        assert hold_s - 0.05 <= turn["answer_gap_s"] <= hold_s + 0.25, turn["answer_gap_s"]

@@ -125,6 +125,13 @@ def format_report(report: dict[str, Any]) -> str:
                 f"{label:<52} {s['n']:>4} {ms(s['p50']):>8} {ms(s['p95']):>8} {ms(s['p99']):>8} {ms(s['max']):>8}"
             )
         lines.append(f"turns cut off (the turn ended inside the question): {report.get('cut_off_turns', 0)}")
+        gaps = report.get("answer_gaps")
+        if gaps and gaps["turns"]:
+            lines.append(
+                f"answers with a silence heard inside (audio ran out before more came): {gaps['turns_with_a_gap']}"
+                f" of {gaps['turns']}, {gaps['gaps']} gaps, per answer p95 {ms(gaps['gap_s_per_turn']['p95'])}"
+                f" max {ms(gaps['gap_s_per_turn']['max'])}"
+            )
         by_turn = report.get("end_of_speech_to_first_audio_by_turn_in_conversation") or {}
         if len(by_turn) > 1:
             lines.append(

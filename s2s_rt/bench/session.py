@@ -97,9 +97,7 @@ class SessionClient:
             turn = self.turn
             rid = ev.get("response_id")
             if turn is not None and rid == turn.response_id:
-                if turn.first_audio is None:
-                    turn.first_audio = now
-                turn.answer_audio_s += len(ev.get("delta", "")) * 3 / 4 / 2 / RATE
+                turn.hear(now, len(ev.get("delta", "")) * 3 / 4 / 2 / RATE)
             return
         turn = self.turn
         if kind == "input_audio_buffer.speech_started":
@@ -153,8 +151,7 @@ class SessionClient:
             # A turn's answer is the response created after its last speech_stopped.
             turn.response_id = rid
             turn.response_created = now
-            turn.first_audio = None
-            turn.answer_audio_s = 0.0
+            turn.new_answer()
             return
         if rid != turn.response_id:
             return

@@ -116,6 +116,14 @@ async def run_talk(opts: argparse.Namespace, server: ServerHandle, clips: list[C
     report["contention"] = _contention(good)
     # A question cut in two: the turn ended in its pause (a second speech_started within it).
     report["cut_off_turns"] = sum(1 for t in run.turns if t.segments > 1)
+    # Silences a listener hears inside an answer: its audio ran out before more came.
+    heard = [t for t in good if t.first_audio is not None]
+    report["answer_gaps"] = {
+        "turns": len(heard),
+        "turns_with_a_gap": sum(1 for t in heard if t.gaps),
+        "gaps": sum(t.gaps for t in heard),
+        "gap_s_per_turn": summarize([t.gap_s for t in heard]),
+    }
     srv = server_figures(MetricsDelta(m0, m1), p0, p1, seconds)
     if "cpu_s" in srv:
         srv["cpu_s_per_turn"] = srv["cpu_s"] / len(good) if good else None

@@ -17,6 +17,8 @@ INTERVALS: tuple[tuple[str, str, str], ...] = (
     ("END OF SPEECH → FIRST AUDIO DELTA", "eos", "first_audio"),
     ("end of speech → response.done", "eos", "response_done"),
 )
+#: A listener hears a gap when the answer's audio runs out before more arrives; shorter ones are not counted.
+GAP_S = 0.02
 
 
 @dataclass
@@ -41,6 +43,11 @@ class Turn:
     answer: str | None = None
     status: str | None = None
     answer_audio_s: float = 0.0
+    #: When a listener playing the answer from its first delta runs out of audio (None: nothing heard yet).
+    played_until: float | None = None
+    #: Silences inside the answer that a listener hears (each over :data:`GAP_S`), and their total.
+    gaps: int = 0
+    gap_s: float = 0.0
     input_tokens: int | None = None
     cached_tokens: int | None = None
     segments: int = 0
@@ -51,6 +58,24 @@ class Turn:
     response_id: str | None = None
     failure: str | None = None
     done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def new_answer(self) -> None:
+        """A response began: what was heard of an earlier one is not this answer's."""
+        self.first_audio = self.played_until = None
+        self.answer_audio_s = self.gap_s = 0.0
+        self.gaps = 0
+
+    def hear(self, now: float, seconds: float) -> None:
+        """``seconds`` of the answer's audio arrived at ``now``: play it after what came before, as a client
+        would, and count the silence heard if what came before had already run out."""
+        if self.first_audio is None:
+            self.first_audio = now
+        start = now if self.played_until is None else max(now, self.played_until)
+        if self.played_until is not None and now - self.played_until > GAP_S:
+            self.gaps += 1
+            self.gap_s += now - self.played_until
+        self.played_until = start + seconds
+        self.answer_audio_s += seconds
 
     def record(self) -> dict[str, Any]:
         base = self.eos or 0.0
@@ -82,6 +107,8 @@ class Turn:
             "answer": self.answer,
             "status": self.status,
             "answer_audio_s": round(self.answer_audio_s, 3),
+            "answer_gaps": self.gaps,
+            "answer_gap_s": round(self.gap_s, 3),
             "input_tokens": self.input_tokens,
             "cached_tokens": self.cached_tokens,
             "segments": self.segments,
