@@ -15,6 +15,8 @@ from typing import Any
 
 import msgspec
 
+from s2s_rt.pipeline.clauses import FIRST_CLAUSE_WORDS
+
 
 class ConfigError(ValueError):
     """A configuration value that cannot be used; the message says which."""
@@ -145,7 +147,7 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     semantic_min_silence_ms: int = 200
     #: An answer's first clause, spoken as soon as it is complete, is cut after this many words or a few more,
     #: where a speaker could pause (sooner at a comma or a sentence's end); later ones at sentence ends.
-    first_clause_words: int = 3
+    first_clause_words: int = FIRST_CLAUSE_WORDS
     semantic_unknown_ms: int = 1200
     #: Threads inside one engine call, per engine kind.
     vad_threads: int = 1

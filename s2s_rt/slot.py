@@ -52,6 +52,7 @@ from s2s_rt.lifecycle import Lifecycle
 from s2s_rt.listening.clock import ListeningClock
 from s2s_rt.memory import release_freed_memory
 from s2s_rt.metrics import Metrics
+from s2s_rt.pipeline.clauses import FIRST_CLAUSE_WORDS
 from s2s_rt.pipeline.context import SessionContext
 from s2s_rt.pipeline.dispatch import Dispatcher
 from s2s_rt.pipeline.listener import Listener
@@ -150,7 +151,7 @@ class Slot:
         max_input_buffer_s: float = 900.0,
         send_timeout_s: float = 10.0,
         speculate_after_ms: int = 0,
-        first_clause_words: int = 3,
+        first_clause_words: int = FIRST_CLAUSE_WORDS,
         semantic: SemanticTurnEnd | None = None,
         max_output_bytes: int = 16 << 20,
         max_input_queue_bytes: int = 32 << 20,

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 from s2s_rt.engines.base import Stack
 from s2s_rt.inference import StagePool
 from s2s_rt.metrics import Metrics
+from s2s_rt.pipeline.clauses import FIRST_CLAUSE_WORDS
 from s2s_rt.pipeline.outbox import Outbox
 from s2s_rt.scope import Scope
 
@@ -42,7 +43,7 @@ class StageContext:
     metrics: Metrics
     outbox: Outbox
     fail: Callable[[BaseException, str, Scope | None], None]
-    first_clause_words: int = 3
+    first_clause_words: int = FIRST_CLAUSE_WORDS
 
     def voice(self, name: str) -> str | None:
         """The TTS engine's voice for a session's ``voice`` (None: the engine's own, for a name it lacks)."""
