@@ -56,7 +56,30 @@ def test_without_a_place_to_pause_it_is_cut_after_six_more_words() -> None:
         ("twenty", "in", False),  # a number may go on ("twenty | five")
         ("It's", "about", False),
         ("minutes", "you're", True),
+        ("capital", "of", False),  # "of" binds to the noun before it
+        ("capital", "in", True),
     ],
 )
 def test_the_prosody_check(word: str, following: str, fits: bool) -> None:
     assert pause_fits_between(word, following) is fits
+
+
+def test_the_second_piece_is_cut_early_too_and_the_rest_at_sentence_ends() -> None:
+    """While the second piece is made, the listener hears only the first (perhaps two words): it is cut where a
+    pause fits after twice the first's words, not at the sentence's end; the third waits for the sentence's end."""
+    text = (
+        "The Earth is about one hundred and fifty million kilometres away from the Sun"
+        " and it takes light eight minutes to reach us. It is far."
+    )
+    said = clauses(text, first_words=2)
+    assert said[:2] == ["The Earth", "is about one hundred and fifty million kilometres away"]
+    assert said[2] == "from the Sun and it takes light eight minutes to reach us."
+    assert said[3:] == ["It is far."]
+
+
+def test_the_default_first_clause_is_two_words_where_a_pause_fits() -> None:
+    splitter = ClauseSplitter()
+    out = [
+        clause for token in "The sky is blue today.".replace(" ", "\0 ").split("\0") for clause in splitter.feed(token)
+    ]
+    assert out[0] == "The sky"

@@ -30,6 +30,8 @@ _NUMBER = re.compile(
     r"|sixteen|seventeen|eighteen|nineteen|twenty|thirty|forty|fifty|sixty|seventy|eighty|ninety|hundred|thousand"
     r"|million|billion|point|half|quarter"
 )
+#: Words that bind to the one before them: nobody pauses before them ("The capital | of France").
+BOUND_TO_PREVIOUS = frozenset({"of"})
 #: Contractions lean on what follows too ("it's | a", "you're | welcome").
 _CONTRACTION = re.compile(r".+'(s|re|m|ll|ve|d)|.+n't")
 
@@ -50,11 +52,12 @@ def pause_fits_between(word: str, following: str) -> bool:
     Between a word that does not lean on the next and a word that opens a
     phrase of its own (a verb's auxiliary, a preposition, a conjunction, a
     pronoun): "The capital of France | is Paris", "Einstein | was born",
-    "a voice assistant | and I", never "The capital of | France" nor "a
-    voice | assistant".
+    "a voice assistant | and I", never "The capital of | France", "The
+    capital | of France" nor "a voice | assistant".
     """
     bare = _bare(following)
-    return not _leans(word) and (bare in LEANING_WORDS or bool(_CONTRACTION.fullmatch(bare)))
+    opens = bare in LEANING_WORDS and bare not in BOUND_TO_PREVIOUS
+    return not _leans(word) and (opens or bool(_CONTRACTION.fullmatch(bare)))
 
 
 class ClauseSplitter:
@@ -66,7 +69,10 @@ class ClauseSplitter:
     end would wait for the whole answer. A cut between words is made only
     where a speaker could pause (:func:`pause_fits_between`): "The capital of
     France | is Paris", never "The capital of | France"; it waits for such
-    a place up to ``first_words + 6`` words. Later pieces are cut at sentence
+    a place up to ``first_words + 6`` words. The second piece is cut the same
+    way after twice as many words: while it is made, the listener hears only
+    the first, which may be two words long ("The Earth | is about 150
+    million kilometres away | from the Sun"). Later pieces are cut at sentence
     ends, so the voice keeps a natural flow.
 
     Each piece of text is scanned once (plus a few characters of context):
@@ -79,6 +85,8 @@ class ClauseSplitter:
     def __init__(self, first_min_chars: int = 12, min_chars: int = 20, first_words: int = FIRST_CLAUSE_WORDS) -> None:
         self.text = ""
         self.first = True
+        #: Pieces cut so far.
+        self.pieces = 0
         self.first_min_chars = first_min_chars
         self.min_chars = min_chars
         self.first_words = first_words
@@ -88,17 +96,18 @@ class ClauseSplitter:
         self.text += piece
         out: list[str] = []
         while True:
-            limit = self.first_min_chars if self.first else self.min_chars
+            early = self.pieces < 2
+            limit = self.first_min_chars if early else self.min_chars
             cut: re.Match[str] | None = None
             for m in _CLAUSE_END.finditer(self.text, max(0, self._scanned - self._CONTEXT)):
                 is_sentence = self.text[m.start() - 1] in ".!?;:"
-                if m.start() >= limit and (is_sentence or self.first):
+                if m.start() >= limit and (is_sentence or early):
                     cut = m
                     break
             end = cut.start() if cut is not None else None
             after = cut.end() if cut is not None else None
-            if cut is None and self.first:
-                after = end = self._pause_after_first_words()
+            if cut is None and early:
+                after = end = self._pause_after(self.first_words * (1 + self.pieces))
             if end is None or after is None:
                 self._scanned = len(self.text)
                 return out
@@ -108,15 +117,16 @@ class ClauseSplitter:
             if clause:
                 out.append(clause)
                 self.first = False
+                self.pieces += 1
 
-    def _pause_after_first_words(self) -> int | None:
-        """Where the first clause may end between words: after ``first_words`` words or more, where a pause fits
-        (the word after it complete, to judge), or after ``first_words + 6`` words whatever they are."""
+    def _pause_after(self, least: int) -> int | None:
+        """Where a piece may end between words: after ``least`` words or more, where a pause fits (the word
+        after it complete, to judge), or after ``least + 6`` words whatever they are."""
         words = list(_WORD.finditer(self.text))
         for n, word in enumerate(words, 1):
-            if n >= self.first_words + 6:
+            if n >= least + 6:
                 return word.end()
-            if n >= self.first_words and n < len(words) and pause_fits_between(word.group(), words[n].group()):
+            if n >= least and n < len(words) and pause_fits_between(word.group(), words[n].group()):
                 return word.end()
         return None
 
