@@ -8,9 +8,20 @@ client streams in real time or faster.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from s2s_rt.engines.base import PIPELINE_RATE, Float32Array
 from s2s_rt.protocol.config import EAGERNESS_MAX_MS, TurnDetection
+
+#: The longest pause inside a turn that the recogniser hears whole; a longer one is heard this long (its
+#: middle is left out). Whisper takes a long pause for the end of what was said: in 12 questions with a
+#: 0.7-1.0 s pause mid-sentence ("Tell me a word that rhymes with | house"), said by Piper, flite (slt, awb)
+#: and espeak-ng (en-us), it dropped or misheard the words after the pause, and with the pauses heard 0.3 s
+#: long (plus the voices' own edges) the word error rate fell from 7.2/10.9/8.8/11.5 % to 5.0/8.9/7.8/11.4 %.
+PAUSE_HEARD_MS = 400
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +107,8 @@ class TurnDetector:
         self.last_voice_ms = 0.0
         #: ``semantic_vad``: the probability that the user has finished, for the silence running now.
         self.finished: float | None = None
+        #: The turn's pauses longer than :data:`PAUSE_HEARD_MS` so far: (last voice, voice again), in ms.
+        self.pauses: list[tuple[float, float]] = []
 
     def silence_needed_ms(self) -> float:
         """How much silence ends the turn now."""
@@ -113,9 +126,12 @@ class TurnDetector:
                 self.start_ms = max(0.0, chunk_start_ms - s.prefix_padding_ms)
                 self.last_voice_ms = chunk_end_ms
                 self.finished = None
+                self.pauses = []
                 return SpeechStart(self.start_ms)
             return None
         if probability >= max(s.threshold - 0.15, 0.01):
+            if chunk_start_ms - self.last_voice_ms > PAUSE_HEARD_MS:
+                self.pauses.append((self.last_voice_ms, chunk_start_ms))
             self.last_voice_ms = chunk_end_ms
             self.finished = None  # the judgement was of words the user went on from
             return None
@@ -127,3 +143,24 @@ class TurnDetector:
 
     def reset(self) -> None:
         self.speaking = False
+
+
+def shorten_pauses(audio: Float32Array, start_ms: float, pauses: Sequence[tuple[float, float]]) -> Float32Array:
+    """``audio`` (which begins at ``start_ms``) as the recogniser should hear it: each pause longer than
+    :data:`PAUSE_HEARD_MS` cut to that length, half of it kept after the voice before and half before the
+    voice after. The audio a turn commits is not changed; only what is transcribed."""
+    if not pauses:
+        return audio
+    keep = PAUSE_HEARD_MS * PIPELINE_RATE // 2000
+    pieces, at = [], 0
+    for begin_ms, end_ms in pauses:
+        begin = round((begin_ms - start_ms) * PIPELINE_RATE / 1000)
+        end = round((end_ms - start_ms) * PIPELINE_RATE / 1000)
+        if begin < at or end - begin <= 2 * keep or end > len(audio):
+            continue  # not inside what is left of this audio
+        pieces.append(audio[at : begin + keep])
+        at = end - keep
+    if not pieces:
+        return audio
+    pieces.append(audio[at:])
+    return np.concatenate(pieces)

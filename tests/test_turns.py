@@ -332,3 +332,33 @@ def test_the_words_guessed_in_a_pause_depend_on_the_audio_not_on_how_it_was_sent
         assert int(at_once.split()[1]) < 1000, at_once
 
     run(scenario())
+
+
+def test_the_recogniser_hears_a_long_pause_inside_a_turn_shortened_and_the_item_keeps_it() -> None:
+    """A 1.2 s pause inside one turn (server VAD waiting 2 s) reaches the STT 0.4 s long, whether the turn is
+    transcribed at its end or ahead of it in its closing silence; the committed audio is the whole turn."""
+
+    async def heard(speculate_after_ms: int) -> tuple[int, float, float, float]:
+        async with live_server(speculate_after_ms=speculate_after_ms) as server:
+            async with RealtimeClient.connect(server, transcribe=True) as c:
+                await c.until("session.created")
+                turn_detection = {"type": "server_vad", "silence_duration_ms": 2000}
+                audio = {"input": {"turn_detection": turn_detection}}
+                await c.send("session.update", session={"type": "realtime", "audio": audio})
+                await c.until("session.updated")
+                await c.append_audio(silence(0.5) + tone(440, 0.6) + silence(1.2) + tone(440, 0.6) + silence(2.6))
+                done = await c.until("conversation.item.input_audio_transcription.completed")
+                started = c.of_type("input_audio_buffer.speech_started")[0]
+                stopped = c.of_type("input_audio_buffer.speech_stopped")[0]
+                assert len(c.of_type("input_audio_buffer.speech_stopped")) == 1  # one turn, pause and all
+                heard_ms, item_s = int(done["transcript"].split()[1]), done["usage"]["seconds"]
+                return heard_ms, item_s, started["audio_start_ms"], stopped["audio_end_ms"]
+
+    # At its end: the whole turn, the pause (as the VAD's 32 ms windows place it) heard 400 ms long.
+    stt_ms, item_s, start_ms, end_ms = run(heard(0))
+    assert end_ms - start_ms - 880 <= stt_ms <= end_ms - start_ms - 720, (stt_ms, start_ms, end_ms)
+    assert abs(item_s * 1000 - (end_ms - start_ms)) <= 40  # the item's audio is the whole turn
+    # Ahead of its end: up to a little after the last voice (2.9 s), the pause heard as long.
+    stt_ms, item_s, start_ms, end_ms = run(heard(64))
+    assert 2900 - start_ms - 800 <= stt_ms <= 2900 - start_ms - 800 + 200, (stt_ms, start_ms, end_ms)
+    assert abs(item_s * 1000 - (end_ms - start_ms)) <= 40

@@ -296,7 +296,7 @@ class Listener:
         assert turns.detector is not None
         item_id = turns.turn_item_id or new_id("item")
         turns.turn_item_id = None
-        start = ms_to_samples(turns.detector.start_ms)
+        start = max(ms_to_samples(turns.detector.start_ms), turns.buffer.start_sample)
         audio = turns.buffer.take(start, ms_to_samples(turn.audio_end_ms))
         turns.idle_from = turns.position
         td = turns.detector.settings
@@ -314,6 +314,8 @@ class Listener:
                 timing,
                 transcript,
                 anticipation,
+                samples_to_ms(start),
+                tuple(turns.detector.pauses),
             )
         )
 

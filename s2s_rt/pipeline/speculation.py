@@ -46,7 +46,7 @@ from s2s_rt.pipeline.work import TurnTiming, ms_to_samples, samples_to_ms
 from s2s_rt.scope import Scope
 from s2s_rt.spoken_answer import with_answer_context
 from s2s_rt.toolcalls import offered_tools
-from s2s_rt.turn import SemanticTurnEnd
+from s2s_rt.turn import SemanticTurnEnd, shorten_pauses
 
 if TYPE_CHECKING:
     from s2s_rt.pipeline.stage import StageContext
@@ -266,7 +266,9 @@ class Speculator:
         assert turns.detector is not None
         # Up to the chunk just judged, not all the audio this tick brought: the words transcribed depend on
         # the audio alone, never on how it was batched.
-        chunks, start, end = turns.buffer.between(ms_to_samples(turns.detector.start_ms), turns.position)
+        begin = max(ms_to_samples(turns.detector.start_ms), turns.buffer.start_sample)
+        chunks, start, end = turns.buffer.between(begin, turns.position)
+        pauses = list(turns.detector.pauses)
         tr = self.session.config.transcription
         stt = self.stage.stack.stt
         started = threading.Event()
@@ -280,9 +282,8 @@ class Speculator:
             if timing is not None:
                 timing.speculated = time.perf_counter()
             try:
-                words = stt.transcribe(
-                    join(chunks, start, end), language=tr.language if tr else None, prompt=tr.prompt if tr else None
-                )
+                heard = shorten_pauses(join(chunks, start, end), samples_to_ms(begin), pauses)
+                words = stt.transcribe(heard, language=tr.language if tr else None, prompt=tr.prompt if tr else None)
                 if timing is not None:
                     timing.transcribed = time.perf_counter()
                 return words

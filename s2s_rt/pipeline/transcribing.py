@@ -12,6 +12,7 @@ from s2s_rt.engines.base import PIPELINE_RATE, Transcript
 from s2s_rt.pipeline.context import SessionContext
 from s2s_rt.pipeline.stage import StageContext, serve
 from s2s_rt.pipeline.work import ResponseRequest, SessionEnd, Transcribe, TurnTiming, run_scoped
+from s2s_rt.turn import shorten_pauses
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ class Transcriber:
             else:
                 result = await stage.pools["stt"].call(
                     stage.stack.stt.transcribe,
-                    job.audio,
+                    shorten_pauses(job.audio, job.start_ms, job.pauses),
                     language=tr.language if tr else None,
                     prompt=tr.prompt if tr else None,
                 )
