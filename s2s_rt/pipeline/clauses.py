@@ -5,9 +5,9 @@ from __future__ import annotations
 import re
 
 #: An answer's first clause is cut after this many words or a few more, where a pause fits. Two rather than three
-#: cut "The sky | is blue" and "A spider | has eight legs" where three waited for the sentence's end: on two cores
-#: (AMD EPYC, 16 one-question conversations, alternated) the first audio came 881-926 ms after the user's last
-#: word instead of 995-1065, the first clause 4-5 tokens instead of 5-8, with no silence heard inside any answer.
+#: cut "The sky | is blue" and "A spider | has four legs" where three waited for the sentence's end: on two cores
+#: (AMD EPYC, 16 one-question conversations a run, alternated with the code before) the first audio came
+#: 886/931/963 ms after the user's last word instead of 975/977/987, 4-5 tokens to the first clause instead of 5-7.
 FIRST_CLAUSE_WORDS = 2
 
 _CLAUSE_END = re.compile(r"(?<=[.!?;:])\s+|(?<=[,])\s+(?=\S{2,})")
