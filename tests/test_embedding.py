@@ -40,8 +40,9 @@ def test_close_lets_a_running_answer_go_on_for_the_grace_period_then_sends_1001(
         server = Server(Config(port=0, stack="fake", pool_size=1, grace_period_s=grace_s))
         await server.start()
         async with RealtimeClient.connect(server) as c:
-            # An answer of 40 one-word sentences at 100 ms a word, each spoken once complete: four seconds.
-            await c.ask("[[slow 100]] " + " ".join(f"w{i}." for i in range(40)))
+            # An answer of 40 one-word sentences at 100 ms a word, each long enough to be spoken once complete
+            # (a clause is at least 20 characters): four seconds, a piece of speech every 100 ms.
+            await c.ask("[[slow 100]] " + " ".join(f"w{i}-{'o' * 20}." for i in range(40)))
             await c.until("response.output_audio.delta")
             loop = asyncio.get_running_loop()
             closing = asyncio.create_task(server.close())

@@ -161,7 +161,11 @@ def check_carried(played: np.ndarray, played_rate: int, heard: np.ndarray, heard
     sent = sent[loud[0] : loud[-1] + 1]
     assert len(got) >= len(sent), f"played {10 * len(sent)} ms of sound, heard {10 * len(got)} ms in all"
     # Where in what was heard it begins: the step that follows it best (Opus delays it by 6.5 ms).
-    fits = [float(np.corrcoef(sent, got[at : at + len(sent)])[0, 1]) for at in range(len(got) - len(sent) + 1)]
+    # A stretch of pure silence follows nothing (its correlation is undefined): it is not where the sound is.
+    fits = [
+        float(np.corrcoef(sent, window)[0, 1]) if np.ptp(window) > 0 else -1.0
+        for window in (got[at : at + len(sent)] for at in range(len(got) - len(sent) + 1))
+    ]
     at = int(np.argmax(fits))
     gain = float(np.sum(got[at : at + len(sent)]) / np.sum(sent))
     assert fits[at] >= 0.9, f"what was heard does not follow what was played (correlation {fits[at]:.2f})"
