@@ -83,3 +83,27 @@ def test_the_default_first_clause_is_two_words_where_a_pause_fits() -> None:
         clause for token in "The sky is blue today.".replace(" ", "\0 ").split("\0") for clause in splitter.feed(token)
     ]
     assert out[0] == "The sky"
+
+
+def test_the_second_piece_is_cut_where_it_can_be_before_the_first_has_played_out() -> None:
+    """ "The Earth" plays about 0.64 s; the second piece has no place for a pause before "away", and the digits
+    come a token each: by the time the first has nearly played out, the second is cut at its last word that does
+    not lean on the next. Tokens that come fast enough are cut by the pause rule as before."""
+
+    def cut(seconds_a_token: float) -> list[str]:
+        now = 0.0
+        splitter = ClauseSplitter(clock=lambda: now)
+        out: list[str] = []
+        tokens = [
+            "The", " Earth", " is", " approximately", " ", "1", "4", "9", ",", "5", "9", "7",
+            " kilometers", " away", " from", " the", " Moon", ".",
+        ]  # fmt: skip
+        for token in tokens:
+            out += splitter.feed(token)
+            now += seconds_a_token
+        return [*out, splitter.flush()]
+
+    slow = cut(0.05)
+    assert slow[:2] == ["The Earth", "is approximately"]
+    assert " ".join(slow).split() == "The Earth is approximately 149,597 kilometers away from the Moon.".split()
+    assert cut(0.01)[:2] == ["The Earth", "is approximately 149,597 kilometers away"]

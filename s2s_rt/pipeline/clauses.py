@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import time
+from collections.abc import Callable
 
 #: An answer's first clause is cut after this many words or a few more, where a pause fits. Two rather than three
 #: cut "The sky | is blue" and "A spider | has four legs" where three waited for the sentence's end: on two cores
@@ -30,6 +32,12 @@ _NUMBER = re.compile(
     r"|sixteen|seventeen|eighteen|nineteen|twenty|thirty|forty|fifty|sixty|seventy|eighty|ninety|hundred|thousand"
     r"|million|billion|point|half|quarter"
 )
+#: How fast the voice speaks, in characters of text a second at speed 1 (Piper's voice: 31 characters in 2.2 s).
+SPOKEN_CHARS_PER_S = 14.0
+#: A piece must be cut this long before those before it have played out, for its speech to be made in time
+#: (Piper's step for a short piece about 0.1 s on two cores, the LLM's pause for the first clause besides).
+SPEECH_MADE_S = 0.25
+
 #: Words that bind to the one before them: nobody pauses before them ("The capital | of France").
 BOUND_TO_PREVIOUS = frozenset({"of"})
 #: Contractions lean on what follows too ("it's | a", "you're | welcome").
@@ -72,8 +80,13 @@ class ClauseSplitter:
     a place up to ``first_words + 6`` words. The second piece is cut the same
     way after twice as many words: while it is made, the listener hears only
     the first, which may be two words long ("The Earth | is about 150
-    million kilometres away | from the Sun"). Later pieces are cut at sentence
-    ends, so the voice keeps a natural flow.
+    million kilometres away | from the Sun"). Later pieces are cut at
+    sentence ends, so the voice keeps a natural flow. But whenever the
+    pieces cut so far would have played out (less the time speech takes to
+    make) before such a place comes, the next piece is cut at its last word
+    that does not lean on the next: "The Earth | is approximately | 149,597
+    kilometers away …", whose digits come a token each, or a long sentence
+    after a short piece.
 
     Each piece of text is scanned once (plus a few characters of context):
     feeding a long answer token by token costs time linear in its length.
@@ -82,11 +95,23 @@ class ClauseSplitter:
     #: How far back a boundary may start before the end of what was scanned.
     _CONTEXT = 4
 
-    def __init__(self, first_min_chars: int = 12, min_chars: int = 20, first_words: int = FIRST_CLAUSE_WORDS) -> None:
+    def __init__(
+        self,
+        first_min_chars: int = 12,
+        min_chars: int = 20,
+        first_words: int = FIRST_CLAUSE_WORDS,
+        *,
+        speed: float = 1.0,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
         self.text = ""
         self.first = True
         #: Pieces cut so far.
         self.pieces = 0
+        self.speed = speed
+        self.clock = clock
+        #: When the pieces cut so far will have played out, as a listener hears them (None: none cut yet).
+        self._plays_until: float | None = None
         self.first_min_chars = first_min_chars
         self.min_chars = min_chars
         self.first_words = first_words
@@ -108,6 +133,8 @@ class ClauseSplitter:
             after = cut.end() if cut is not None else None
             if cut is None and early:
                 after = end = self._pause_after(self.first_words * (1 + self.pieces))
+            if end is None and self._plays_until is not None and self.clock() >= self._plays_until - SPEECH_MADE_S:
+                after = end = self._last_word_end()
             if end is None or after is None:
                 self._scanned = len(self.text)
                 return out
@@ -116,6 +143,9 @@ class ClauseSplitter:
             self._scanned = 0
             if clause:
                 out.append(clause)
+                now = self.clock()
+                plays_from = now if self._plays_until is None else max(now, self._plays_until)
+                self._plays_until = plays_from + len(clause) / (SPOKEN_CHARS_PER_S * self.speed)
                 self.first = False
                 self.pieces += 1
 
@@ -127,6 +157,14 @@ class ClauseSplitter:
             if n >= least + 6:
                 return word.end()
             if n >= least and n < len(words) and pause_fits_between(word.group(), words[n].group()):
+                return word.end()
+        return None
+
+    def _last_word_end(self) -> int | None:
+        """The end of the last complete word (one with a space after it) that does not lean on the next (None:
+        there is none)."""
+        for word in reversed(list(_WORD.finditer(self.text))):
+            if not _leans(word.group()):
                 return word.end()
         return None
 

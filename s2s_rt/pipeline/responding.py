@@ -109,7 +109,7 @@ class Responder:
         def stale() -> bool:
             return scope.stale
 
-        clauses = ClauseSplitter(first_words=stage.first_clause_words)
+        clauses = ClauseSplitter(first_words=stage.first_clause_words, speed=r.params.speed)
         spoke = False
         self._words_out = False
         made = stage.outbox.timings.get(r.id)  # when its first clause's speech was made
