@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from s2s_rt.engines.base import PIPELINE_RATE, Float32Array
+from s2s_rt.engines.base import Float32Array
+from s2s_rt.pipeline.work import ms_to_samples
 from s2s_rt.protocol.config import EAGERNESS_MAX_MS, TurnDetection
 
 #: The longest pause inside a turn that the recogniser hears whole; a longer one is heard this long (its
@@ -145,17 +146,17 @@ class TurnDetector:
         self.speaking = False
 
 
-def shorten_pauses(audio: Float32Array, start_ms: float, pauses: Sequence[tuple[float, float]]) -> Float32Array:
-    """``audio`` (which begins at ``start_ms``) as the recogniser should hear it: each pause longer than
+def shorten_pauses(audio: Float32Array, start: int, pauses: Sequence[tuple[float, float]]) -> Float32Array:
+    """``audio`` (which begins at sample ``start`` of the session) as the recogniser should hear it: each
+    pause (in ms of the session's audio) longer than
     :data:`PAUSE_HEARD_MS` cut to that length, half of it kept after the voice before and half before the
     voice after. The audio a turn commits is not changed; only what is transcribed."""
     if not pauses:
         return audio
-    keep = PAUSE_HEARD_MS * PIPELINE_RATE // 2000
+    keep = ms_to_samples(PAUSE_HEARD_MS / 2)
     pieces, at = [], 0
     for begin_ms, end_ms in pauses:
-        begin = round((begin_ms - start_ms) * PIPELINE_RATE / 1000)
-        end = round((end_ms - start_ms) * PIPELINE_RATE / 1000)
+        begin, end = ms_to_samples(begin_ms) - start, ms_to_samples(end_ms) - start
         if begin < at or end - begin <= 2 * keep or end > len(audio):
             continue  # not inside what is left of this audio
         pieces.append(audio[at : begin + keep])

@@ -59,7 +59,7 @@ def test_a_long_pause_inside_a_turn_is_heard_shortened_and_a_short_one_whole() -
     assert d.pauses == [(320.0, 1280.0)]
     rate_ms = PIPELINE_RATE // 1000
     audio = np.arange(2240 * rate_ms, dtype=np.float32)  # each sample names its place
-    heard = shorten_pauses(audio, 0.0, d.pauses)
+    heard = shorten_pauses(audio, 0, d.pauses)
     keep = PAUSE_HEARD_MS // 2 * rate_ms
     assert len(heard) == len(audio) - (960 - PAUSE_HEARD_MS) * rate_ms
     # Half the pause kept after the voice before, half before the voice after, nothing else moved.
@@ -67,6 +67,6 @@ def test_a_long_pause_inside_a_turn_is_heard_shortened_and_a_short_one_whole() -
     assert heard[320 * rate_ms + keep] == 1280 * rate_ms - keep
     assert heard[-1] == audio[-1]
     # Audio that begins later (a turn's own) is cut at the same places of the session's clock.
-    later = shorten_pauses(audio[100 * rate_ms :], 100.0, d.pauses)
+    later = shorten_pauses(audio[100 * rate_ms :], 100 * rate_ms, d.pauses)
     assert np.array_equal(later, heard[100 * rate_ms :])
-    assert shorten_pauses(audio, 0.0, []) is audio
+    assert shorten_pauses(audio, 0, []) is audio

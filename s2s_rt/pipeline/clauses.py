@@ -94,6 +94,8 @@ class ClauseSplitter:
 
     #: How far back a boundary may start before the end of what was scanned.
     _CONTEXT = 4
+    #: Pieces cut where a pause fits after a few words (the first, then the second after twice as many).
+    _EARLY_PIECES = 2
 
     def __init__(
         self,
@@ -105,7 +107,6 @@ class ClauseSplitter:
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.text = ""
-        self.first = True
         #: Pieces cut so far.
         self.pieces = 0
         self.speed = speed
@@ -121,7 +122,7 @@ class ClauseSplitter:
         self.text += piece
         out: list[str] = []
         while True:
-            early = self.pieces < 2
+            early = self.pieces < self._EARLY_PIECES
             limit = self.first_min_chars if early else self.min_chars
             cut: re.Match[str] | None = None
             for m in _CLAUSE_END.finditer(self.text, max(0, self._scanned - self._CONTEXT)):
@@ -146,8 +147,12 @@ class ClauseSplitter:
                 now = self.clock()
                 plays_from = now if self._plays_until is None else max(now, self._plays_until)
                 self._plays_until = plays_from + len(clause) / (SPOKEN_CHARS_PER_S * self.speed)
-                self.first = False
                 self.pieces += 1
+
+    @property
+    def first(self) -> bool:
+        """No piece is cut yet: the next is the first clause."""
+        return self.pieces == 0
 
     def _pause_after(self, least: int) -> int | None:
         """Where a piece may end between words: after ``least`` words or more, where a pause fits (the word

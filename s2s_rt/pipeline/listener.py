@@ -314,7 +314,7 @@ class Listener:
                 timing,
                 transcript,
                 anticipation,
-                samples_to_ms(start),
+                start,
                 tuple(turns.detector.pauses),
             )
         )

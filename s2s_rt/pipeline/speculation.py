@@ -282,7 +282,7 @@ class Speculator:
             if timing is not None:
                 timing.speculated = time.perf_counter()
             try:
-                heard = shorten_pauses(join(chunks, start, end), samples_to_ms(begin), pauses)
+                heard = shorten_pauses(join(chunks, start, end), begin, pauses)
                 words = stt.transcribe(heard, language=tr.language if tr else None, prompt=tr.prompt if tr else None)
                 if timing is not None:
                     timing.transcribed = time.perf_counter()

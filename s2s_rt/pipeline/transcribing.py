@@ -69,7 +69,7 @@ class Transcriber:
             else:
                 result = await stage.pools["stt"].call(
                     stage.stack.stt.transcribe,
-                    shorten_pauses(job.audio, job.start_ms, job.pauses),
+                    shorten_pauses(job.audio, job.start, job.pauses),
                     language=tr.language if tr else None,
                     prompt=tr.prompt if tr else None,
                 )

@@ -81,9 +81,9 @@ class Transcribe:
     speculation: asyncio.Task[Transcript | BaseException] | None = None
     #: The answer to it begun in that silence, if any.
     anticipation: Anticipation | None = None
-    #: Where ``audio`` begins and the turn's long pauses, in ms of the session's audio: the recogniser hears
-    #: them shortened (:func:`~s2s_rt.turn.shorten_pauses`).
-    start_ms: float = 0.0
+    #: Where ``audio`` begins (a sample of the session's audio) and the turn's long pauses (ms): the
+    #: recogniser hears them shortened (:func:`~s2s_rt.turn.shorten_pauses`).
+    start: int = 0
     pauses: tuple[tuple[float, float], ...] = ()
 
 
