@@ -85,6 +85,17 @@ def test_the_default_first_clause_is_two_words_where_a_pause_fits() -> None:
     assert out[0] == "The sky"
 
 
+def test_the_first_clause_is_cut_at_the_token_that_writes_the_word_after_it() -> None:
+    """The word after the place is judged as written: the cut comes with " is", not a token later with " Paris"
+    (the next token's space), and a word that does not open a phrase, whole or not yet, does not cut."""
+    splitter = ClauseSplitter()
+    fed = {token: splitter.feed(token) for token in ("The", " capital", " of", " France", " is")}
+    assert fed == {"The": [], " capital": [], " of": [], " France": [], " is": ["The capital of France"]}
+    assert splitter.flush() == "is"
+    splitter = ClauseSplitter()
+    assert [splitter.feed(token) for token in ("A", " blue", " wh", "ale", " is")] == [[], [], [], [], ["A blue whale"]]
+
+
 def test_the_second_piece_is_cut_where_it_can_be_before_the_first_has_played_out() -> None:
     """ "The Earth" plays about 0.64 s; the second piece has no place for a pause before "away", and the digits
     come a token each: by the time the first has nearly played out, the second is cut at its last word that does

@@ -155,13 +155,19 @@ class ClauseSplitter:
         return self.pieces == 0
 
     def _pause_after(self, least: int) -> int | None:
-        """Where a piece may end between words: after ``least`` words or more, where a pause fits (the word
-        after it complete, to judge), or after ``least + 6`` words whatever they are."""
+        """Where a piece may end between words: after ``least`` words or more, where a pause fits, or after
+        ``least + 6`` words whatever they are.
+
+        The word after the last complete one is judged as far as it is written: a model writes a common word
+        in one token, so " is" is "is", not yet "island"; the rare longer word only moves a pause. That judges
+        the place a token sooner than waiting for the word's end (the next token's space).
+        """
         words = list(_WORD.finditer(self.text))
         for n, word in enumerate(words, 1):
             if n >= least + 6:
                 return word.end()
-            if n >= least and n < len(words) and pause_fits_between(word.group(), words[n].group()):
+            following = words[n].group() if n < len(words) else self.text[word.end() :]
+            if n >= least and pause_fits_between(word.group(), following):
                 return word.end()
         return None
 
