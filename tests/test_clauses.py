@@ -118,3 +118,17 @@ def test_the_second_piece_is_cut_where_it_can_be_before_the_first_has_played_out
     assert slow[:2] == ["The Earth", "is approximately"]
     assert " ".join(slow).split() == "The Earth is approximately 149,597 kilometers away from the Moon.".split()
     assert cut(0.01)[:2] == ["The Earth", "is approximately 149,597 kilometers away"]
+
+
+def test_a_sentence_is_cut_at_its_mark_not_a_token_later() -> None:
+    """A full stop, exclamation or question mark after a word ends the clause with the token that writes it, not
+    with the next token's space or the answer's end; where the mark may go on ("3.14", "U.S."), it waits."""
+
+    def fed(tokens: list[str]) -> list[list[str]]:
+        splitter = ClauseSplitter()
+        return [splitter.feed(token) for token in tokens]
+
+    assert fed(["Half", " of", " ninety", " is", " forty", "-five", "."])[-1] == ["Half of ninety is forty-five."]
+    assert fed(["Good", " morning", "!", " How"])[2] == ["Good morning!"]
+    assert fed(["Pi", " is", " about", " three", " point", " 3", "."]) == [[], [], [], [], [], [], []]
+    assert fed(["Made", " in", " the", " U", ".S", "."]) == [[], [], [], [], [], []]

@@ -12,7 +12,11 @@ from collections.abc import Callable
 #: 886/931/963 ms after the user's last word instead of 975/977/987, 4-5 tokens to the first clause instead of 5-7.
 FIRST_CLAUSE_WORDS = 2
 
-_CLAUSE_END = re.compile(r"(?<=[.!?;:])\s+|(?<=[,])\s+(?=\S{2,})")
+#: Where a clause ends: after a sentence's or clause's mark and the space that follows it; or at a full stop,
+#: exclamation or question mark that ends the text so far after a word of two letters or more, a token before
+#: that space comes (the place is the same: "3.14", "e.g." and "U.S." are not cut there); or after a comma and
+#: the space and a word of two letters that follow it ("1,000" is not cut).
+_CLAUSE_END = re.compile(r"(?<=[.!?;:])\s+|(?<=[^\W\d_]{2}[.!?])\Z|(?<=[,])\s+(?=\S{2,})")
 _WORD = re.compile(r"\S+\s+")
 
 #: Words after which English does not pause: they lean on the word that follows (articles, prepositions,
