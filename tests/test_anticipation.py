@@ -148,3 +148,61 @@ def test_a_first_clause_whose_speech_fails_ahead_is_spoken_again_and_the_session
         assert tts.calls >= 2  # the failed clause was synthesised again
 
     run(scenario())
+
+
+class _Synthesised:
+    """The fake voice, keeping what it was asked to say."""
+
+    def __init__(self, tts: Any) -> None:
+        self._tts = tts
+        self.texts: list[str] = []
+        self.sample_rate = tts.sample_rate
+        self.voices = tts.voices
+
+    def synthesize(self, text: str, **kw: Any) -> Any:
+        self.texts.append(text)
+        return self._tts.synthesize(text, **kw)
+
+
+def test_the_answer_begun_ahead_speaks_its_first_clause_alone_and_the_waterfall_keeps_its_order() -> None:
+    """The answer begun ahead makes the speech of its first clause only; the rest is the response's. Once the
+    response had taken that speech, the answer ahead went on cutting and speaking the next clause with a splitter
+    of its own, and reported that clause's end as the first clause's: after its first audio was sent."""
+    import dataclasses
+    import time
+
+    from s2s_rt.engines.fake import EchoLLM, load_fake_stack
+
+    class Pausing(EchoLLM):
+        """A first sentence at once, then a second after the turn has ended (the response has adopted it)."""
+
+        def stream(self, request: Any, *, should_stop: Any, usage: Any) -> Any:
+            yield "Sure, I can tell you. "
+            deadline = time.monotonic() + 1.0
+            while time.monotonic() < deadline and not should_stop():
+                time.sleep(0.01)
+            yield "It is a fine day. "
+            yield from super().stream(request, should_stop=should_stop, usage=usage)
+
+    fake = load_fake_stack()
+    tts = _Synthesised(fake.tts)
+    stack = dataclasses.replace(fake, tts=tts, llm=Pausing())
+
+    async def scenario() -> tuple[list[dict[str, Any]], dict[str, float]]:
+        async with Server(_config(), stack=stack) as server:
+            async with RealtimeClient.connect(server) as c:
+                await _talk(c, silence(0.3), tone(440, 0.6), silence(0.8))
+                done = await c.until("response.done", timeout=15)
+                assert done["response"]["status"] == "completed"
+                assert _metric(server, 's2s_speculative_responses_total{outcome="used"}') == 1
+                steps = {
+                    step: _metric(server, f's2s_turn_waterfall_seconds_sum{{step="{step}"}}')
+                    for step in ("first_clause", "synthesised", "audio_sent")
+                }
+                return c.events, steps
+
+    events, steps = run(scenario())
+    assert _said(events).startswith("Sure, I can tell you. It is a fine day. You said:")
+    assert tts.texts[:2] == ["Sure, I can tell you.", "It is a fine day."]
+    assert len(tts.texts) == len(set(tts.texts)), tts.texts  # each clause's speech made once
+    assert 0 < steps["first_clause"] <= steps["synthesised"] <= steps["audio_sent"], steps

@@ -416,7 +416,9 @@ async def _answer_ahead(
     try:
         async for piece in stage.pools["llm"].stream(stream, gate=ahead.gate):
             ahead.add(piece)
-            if splitter is not None and ahead.first_audio is None:
+            # Its first clause's speech only: what follows is the response's, cut by the response's own splitter
+            # (the speech it takes leaves ``first_audio`` empty again; it is not a sign to speak the next clause).
+            if splitter is not None and ahead.first_clause is None:
                 clauses = splitter.feed(piece)
                 if clauses:
                     ahead.first_clause_at = time.perf_counter()
