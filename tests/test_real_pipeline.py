@@ -180,14 +180,25 @@ def says(answer: str, fact: str) -> None:
 
 
 async def check_spoken_turn(server: Server) -> None:
-    """A spoken question is heard within 20 % WER and answered aloud with its fact, which Whisper hears back."""
-    async with RealtimeClient.connect(server, transcribe=True) as c:
-        await c.send("session.update", session=SETTINGS)
-        question = "What is the capital of France?"
-        heard, answer, audio = await ask(server, c, question, "France")
+    """A spoken question is heard within 20 % WER and answered aloud with its fact, which Whisper hears back.
+
+    The take is one Whisper hears right alone (:func:`speak`); the server hears the turn as it ends, 64 ms
+    after its last voiced window, and there about one take in 40 that Whisper hears right alone is "the capital
+    of friends" (and one the other way; 40 takes measured). An answer to a misheard question cannot be checked
+    for its fact: such a turn is asked again with another take, on a fresh connection, at most twice.
+    """
+    question = "What is the capital of France?"
+    for _take in range(3):
+        async with RealtimeClient.connect(server, transcribe=True) as c:
+            await c.send("session.update", session=SETTINGS)
+            heard, answer, audio = await ask(server, c, question, "France")
         assert word_error_rate(question, heard) <= 0.20, heard
-        says(answer, r"\bParis\b")
-        check_answer_audio(server, question, answer, audio)
+        if "france" in heard.lower():
+            break
+    else:
+        raise AssertionError(f"three takes of the question were heard without 'France', the last as {heard!r}")
+    says(answer, r"\bParis\b")
+    check_answer_audio(server, question, answer, audio)
 
 
 def test_spoken_question_is_heard_and_answered_aloud() -> None:
