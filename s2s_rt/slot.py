@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 from websockets.exceptions import ConnectionClosed
 
 from s2s_rt.budget import ByteBudget
-from s2s_rt.engines.base import Stack
+from s2s_rt.engines.base import Stack, ms_to_samples
 from s2s_rt.inference import StagePool
 from s2s_rt.lifecycle import Lifecycle
 from s2s_rt.listening.clock import ListeningClock
@@ -61,7 +61,7 @@ from s2s_rt.pipeline.responding import Responder
 from s2s_rt.pipeline.speaking import Speaker
 from s2s_rt.pipeline.stage import StageContext
 from s2s_rt.pipeline.transcribing import Transcriber
-from s2s_rt.pipeline.work import CloseRequest, SessionEnd, ms_to_samples
+from s2s_rt.pipeline.work import CloseRequest, SessionEnd
 from s2s_rt.protocol.errors import ProtocolError
 from s2s_rt.protocol.server_events import ServerEvent, encode_event
 from s2s_rt.protocol.session import Session

@@ -13,8 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from s2s_rt.engines.base import Float32Array
-from s2s_rt.pipeline.work import ms_to_samples
+from s2s_rt.engines.base import Float32Array, ms_to_samples
 from s2s_rt.protocol.config import EAGERNESS_MAX_MS, TurnDetection
 
 #: The longest pause inside a turn that the recogniser hears whole; a longer one is heard this long (its

@@ -22,6 +22,17 @@ Float32Array = npt.NDArray[np.float32]
 #: Sample rate of the audio the pipeline feeds to VAD and STT.
 PIPELINE_RATE = 16_000
 
+
+def ms_to_samples(ms: float) -> int:
+    """Samples of pipeline audio in ``ms`` milliseconds (rounded)."""
+    return round(ms * PIPELINE_RATE / 1000)
+
+
+def samples_to_ms(n: int) -> float:
+    """Milliseconds of ``n`` samples of pipeline audio."""
+    return n * 1000 / PIPELINE_RATE
+
+
 #: Returns True once the work that asked for a stream is stale
 #: (cancelled, barged in, or its session ended). Streaming engines call it
 #: between pieces and stop early when it answers True. Thread-safe.

@@ -127,6 +127,8 @@ class Anticipation:
 
     def speak_first(self, clause: str, speech: asyncio.Task[SpokenAhead | None] | None) -> None:
         """The first clause is complete, and ``speech`` makes it (None: its session is closing)."""
+        self.first_clause_at = time.perf_counter()
+        self.clause_tokens = self.usage.output_tokens
         self.first_clause = clause
         self.first_audio = speech
         if speech is None:

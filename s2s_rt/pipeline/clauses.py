@@ -170,8 +170,10 @@ class ClauseSplitter:
         for n, word in enumerate(words, 1):
             if n >= least + 6:
                 return word.end()
+            if n < least:
+                continue
             following = words[n].group() if n < len(words) else self.text[word.end() :]
-            if n >= least and pause_fits_between(word.group(), following):
+            if pause_fits_between(word.group(), following):
                 return word.end()
         return None
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from s2s_rt.audio import AudioFormat
 from s2s_rt.budget import ByteBudget
-from s2s_rt.engines.base import PIPELINE_RATE
+from s2s_rt.engines.base import PIPELINE_RATE, ms_to_samples, samples_to_ms
 from s2s_rt.listening.clock import ListeningClock
 from s2s_rt.listening.hearing import AudioBytes, EngineUnavailable, Heard, SessionAudio
 from s2s_rt.pipeline.context import SessionContext
@@ -31,8 +31,6 @@ from s2s_rt.pipeline.work import (
     ResponseRequest,
     SettingsChanged,
     Transcribe,
-    ms_to_samples,
-    samples_to_ms,
 )
 from s2s_rt.protocol.errors import ProtocolError
 from s2s_rt.protocol.server_events import ServerEvent, new_id

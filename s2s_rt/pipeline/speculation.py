@@ -36,13 +36,15 @@ from s2s_rt.engines.base import (
     LLMRequest,
     TakesTurns,
     Transcript,
+    ms_to_samples,
+    samples_to_ms,
 )
 from s2s_rt.lifecycle import Lifecycle
 from s2s_rt.listening.buffer import join
 from s2s_rt.pipeline.anticipation import Anticipation, SpokenAhead, can_anticipate
 from s2s_rt.pipeline.clauses import ClauseSplitter
 from s2s_rt.pipeline.turns import TurnState
-from s2s_rt.pipeline.work import TurnTiming, ms_to_samples, samples_to_ms
+from s2s_rt.pipeline.work import TurnTiming
 from s2s_rt.scope import Scope
 from s2s_rt.spoken_answer import with_answer_context
 from s2s_rt.toolcalls import offered_tools
@@ -421,8 +423,6 @@ async def _answer_ahead(
             if splitter is not None and ahead.first_clause is None:
                 clauses = splitter.feed(piece)
                 if clauses:
-                    ahead.first_clause_at = time.perf_counter()
-                    ahead.clause_tokens = ahead.usage.output_tokens
                     ahead.speak_first(
                         clauses[0],
                         stage.spawn(ahead.scope, _speak_first_clause(stage, ahead, clauses[0], voice), "ahead-tts"),

@@ -13,7 +13,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from s2s_rt.engines.base import PIPELINE_RATE, Float32Array, LLMUsage, Transcript
+from s2s_rt.engines.base import Float32Array, LLMUsage, Transcript
 from s2s_rt.scope import Scope
 
 if TYPE_CHECKING:
@@ -35,14 +35,6 @@ class SessionEnd:
 
     def __repr__(self) -> str:
         return f"SESSION_END({self.session_id})"
-
-
-def ms_to_samples(ms: float) -> int:
-    return round(ms * PIPELINE_RATE / 1000)
-
-
-def samples_to_ms(n: int) -> float:
-    return n * 1000 / PIPELINE_RATE
 
 
 @dataclass(slots=True)
