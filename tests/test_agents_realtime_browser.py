@@ -63,8 +63,10 @@ def page_url() -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[ServerProcess]:
-    with fake_server("--pool-size", "2", "--api-key", KEY) as s:
+def server(page_url: str) -> Iterator[ServerProcess]:
+    """The server, allowing the page's origin (a page of another origin may use it only when allowed)."""
+    origin = page_url.rsplit("/", 1)[0]
+    with fake_server("--pool-size", "2", "--api-key", KEY, "--allowed-origin", origin) as s:
         yield s
 
 

@@ -417,13 +417,14 @@ def test_requests_with_bodies_are_read_on_the_session_port_and_bad_ones_are_refu
             assert answer.startswith(b"HTTP/1.1 400")  # no Host header: h11 refuses it
             answer = await raw(b"POST /v1/realtime/client_secrets HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\n{x}")
             assert answer.startswith(b"HTTP/1.1 400") and b"invalid_json" in answer
-            # A preflight from a page elsewhere is answered (keys travel in headers, so any origin may ask).
-            answer = await raw(
+            # A preflight from a page elsewhere is refused (test_hostile_clients: unless its origin is allowed).
+            preflight = (
                 b"OPTIONS /v1/realtime/calls HTTP/1.1\r\nHost: x\r\nOrigin: http://app.example\r\n"
                 b"Access-Control-Request-Method: POST\r\n"
                 b"Access-Control-Request-Headers: authorization, content-type\r\n\r\n"
             )
-            assert answer.startswith(b"HTTP/1.1 204") and b"Access-Control-Allow-Origin: http://app.example" in answer
+            answer = await raw(preflight)
+            assert answer.startswith(b"HTTP/1.1 403") and b"Access-Control-Allow-Origin" not in answer
             # Every slot is still free, and the WebSocket still opens on the same port.
             assert server.pool.free == len(server.pool.slots)
             async with RealtimeClient.connect(server) as ws:

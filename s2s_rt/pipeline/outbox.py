@@ -31,6 +31,20 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+class EventTooLarge(Exception):
+    """What a channel's ``send`` raises for one event larger than its peer takes in one message.
+
+    Args:
+        size: the event's bytes.
+        limit: the most the peer takes.
+    """
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(f"an event of {size} bytes is more than the peer takes in one message ({limit})")
+        self.size = size
+        self.limit = limit
+
+
 class Channel(Protocol):
     """What carries one session's events to its client: a WebSocket connection, or a WebRTC call.
 
@@ -50,7 +64,7 @@ class Channel(Protocol):
     def is_open(self) -> bool: ...
 
     async def send(self, message: Any, *, text: bool | None = ...) -> None:
-        """Send one event; raises ``ConnectionClosed`` when the client is gone."""
+        """Send one event; raises ``ConnectionClosed`` when the client is gone, :class:`EventTooLarge`."""
 
     async def close(self, code: int = 1000, reason: str = "") -> None: ...
 
@@ -240,11 +254,35 @@ class Outbox:
             # The client is gone: its backlog is dropped at once, not sent into the void.
             self.flush()
             return
+        except Exception as exc:
+            # What the channel cannot carry ends this session, alone: the send loop serves the slot's next.
+            await self._failed(ws, item, exc)
+            return
         finally:
             self.sending_since = None
         self.metrics.events_out.inc(type=item.type)
         if item.sent is not None:
             item.sent()
+
+    async def _failed(self, ws: Channel, item: Outgoing, exc: Exception) -> None:
+        """A send failed other than by the client going away: tell the client why (if it can be told) and close."""
+        if isinstance(exc, EventTooLarge):
+            log.warning("slot %d: %s event not sent to %s: %s", self.index, item.type, self.client, exc)
+            code, close_code = "event_too_large", 1009
+            text = f"The {item.type} event ({exc.size} bytes) is more than this connection carries ({exc.limit})"
+        else:
+            log.error("slot %d: sending %s to %s failed", self.index, item.type, self.client, exc_info=exc)
+            code, close_code, text = "send_failed", 1011, f"The {item.type} event could not be sent"
+        self.flush()
+        session = self.session
+        if session is not None:
+            self.metrics.errors.inc(code=code)
+            notice = session.error(ProtocolError(code, f"{text}; the session ends", type="server_error"))
+            try:
+                await ws.send(encode_event(notice), text=True)
+            except Exception:
+                pass  # the close below says it too
+        await close_quickly(ws, close_code, code.replace("_", " "))
 
     def stuck_for(self) -> float:
         """Seconds the current send has waited for the client to read (0 when none waits)."""

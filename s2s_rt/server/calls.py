@@ -24,8 +24,9 @@ from s2s_rt.protocol.errors import ProtocolError
 from s2s_rt.protocol.server_events import BETA, GA, new_id
 from s2s_rt.server.connection import Connections, Refusal
 from s2s_rt.server.handshake import asked_model, offered_keys, wants_beta, wants_transcription
+from s2s_rt.server.posts import json_of
 from s2s_rt.server.secrets import session_update
-from s2s_rt.server.webrtc import Call, bind_media_in, ice_configuration
+from s2s_rt.server.webrtc import Call, bind_media_in, check_consent_often, ice_configuration
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,16 @@ def api_error(status: HTTPStatus, code: str, message: str, param: str | None = N
     return Response(status.value, status.phrase, headers, body)
 
 
+#: What an offer may hold. A browser's has two or three media sections (audio, the data channel, perhaps video)
+#: and a few candidates each; aiortc's parsing costs more than linearly in what it is given (2,400 sections
+#: held the loop 1.7 s), and each candidate is a place it sends connectivity checks to.
+MAX_SECTIONS = 8
+MAX_CANDIDATES = 64
+MAX_SDP_LINES = 1024
+#: Parts of a multipart offer (the SDK sends ``sdp`` and ``session``); the form is parsed only within this.
+MAX_PARTS = 8
+
+
 def offer_of(request: Request, body: bytes) -> tuple[str, Any]:
     """The SDP offer and the session configuration (or None) of a ``POST /v1/realtime/calls``.
 
@@ -49,18 +60,28 @@ def offer_of(request: Request, body: bytes) -> tuple[str, Any]:
     with ``sdp`` and an optional ``session`` (JSON), as the official SDK sends.
 
     Raises:
-        ProtocolError: another content type, a part missing, or JSON that is not.
+        ProtocolError: another content type, a part missing, more parts than
+            :data:`MAX_PARTS`, JSON that is not, or an offer over the bounds (:func:`check_offer`).
     """
     kind = request.headers.get("Content-Type", "")
     base = kind.split(";", 1)[0].strip().lower()
     if base in ("application/sdp", "text/plain"):
-        return body.decode("utf-8", "replace"), None
+        return check_offer(body.decode("utf-8", "replace")), None
     if base != "multipart/form-data":
         raise ProtocolError(
             "invalid_request_error",
             f"Send the offer as application/sdp or multipart/form-data, not {kind or 'nothing'}",
         )
     # The standard library's MIME parser reads the form: it needs the Content-Type in front of the body.
+    head = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(
+        b"Content-Type: " + kind.encode("latin-1") + b"\r\n\r\n"
+    )
+    boundary = head.get_boundary()
+    # RFC 2046: 1 to 70 characters. Every part begins with "--" and the boundary: counted before parsing.
+    if not boundary or len(boundary) > 70 or body.count(b"--" + boundary.encode("latin-1")) > MAX_PARTS + 1:
+        raise ProtocolError(
+            "invalid_request_error", f"The form needs a boundary of 1 to 70 characters and at most {MAX_PARTS} parts"
+        )
     message = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(
         b"Content-Type: " + kind.encode("latin-1") + b"\r\n\r\n" + body
     )
@@ -72,13 +93,27 @@ def offer_of(request: Request, body: bytes) -> tuple[str, Any]:
             fields[name] = payload if isinstance(payload, bytes) else b""
     if "sdp" not in fields:
         raise ProtocolError("missing_required_parameter", "The form has no sdp field", param="sdp")
-    session: Any = None
-    if fields.get("session"):
-        try:
-            session = json.loads(fields["session"])
-        except ValueError:
-            raise ProtocolError("invalid_json", "The session field is not JSON", param="session") from None
-    return fields["sdp"].decode("utf-8", "replace"), session
+    session: Any = json_of(fields["session"], "session") if fields.get("session") else None
+    return check_offer(fields["sdp"].decode("utf-8", "replace")), session
+
+
+def check_offer(sdp: str) -> str:
+    """``sdp``, if it is within what an offer may hold (:data:`MAX_SECTIONS`, :data:`MAX_CANDIDATES` and lines).
+
+    Raises:
+        ProtocolError: ``invalid_offer``.
+    """
+    lines = sdp.splitlines()
+    sections = sum(line.startswith("m=") for line in lines)
+    candidates = sum(line.startswith("a=candidate") for line in lines)
+    if len(lines) > MAX_SDP_LINES or sections > MAX_SECTIONS or candidates > MAX_CANDIDATES:
+        raise ProtocolError(
+            "invalid_offer",
+            f"An offer may have at most {MAX_SECTIONS} media sections, {MAX_CANDIDATES} candidates and"
+            f" {MAX_SDP_LINES} lines; this one has {sections}, {candidates} and {len(lines)}",
+            param="sdp",
+        )
+    return sdp
 
 
 class Calls:
@@ -92,6 +127,7 @@ class Calls:
         self.config = config
         self.connections = connections
         self.configuration = ice_configuration(config.ice_servers)
+        check_consent_often()
         self.calls: dict[str, Call] = {}
         #: Each call's serving task, until its session has ended and its peer connection closed.
         self.tasks: set[asyncio.Task[None]] = set()
@@ -107,16 +143,34 @@ class Calls:
         except ProtocolError as exc:
             return api_error(HTTPStatus.BAD_REQUEST, exc.code, exc.message, exc.param)
         secret = connections.secret_of(request)
-        limit = self.config.max_connections_per_ip
-        if limit and connections.per_ip.get(client, 0) >= limit:
-            # A call counts as a connection of its address, as a WebSocket does.
-            connections.metrics.rejections.inc(reason="too_many_connections")
-            text = f"At most {limit} concurrent connections per client address"
-            return api_error(HTTPStatus.TOO_MANY_REQUESTS, "too_many_connections", text)
+        # A call counts as a connection of its address, as a WebSocket does: from before its first await,
+        # so that offers sent together are counted together.
+        if not connections.enter(client):
+            connections.leave(client)
+            code, text = connections.too_many()
+            connections.metrics.rejections.inc(reason=code)
+            return api_error(HTTPStatus.TOO_MANY_REQUESTS, code, text)
+        served = False
+        try:
+            response, served = await self._answer(request, offer, update, transcription, secret, client)
+            return response
+        finally:
+            if not served:
+                connections.leave(client)
+
+    async def _answer(
+        self, request: Request, offer: str, update: Any, transcription: bool, secret: Any, client: str
+    ) -> tuple[Response, bool]:
+        """The rest of :meth:`create`: the slot, the session, the answer; or a refusal.
+
+        Returns:
+            The response, and whether a call is served (its serving task then owns the address's count).
+        """
+        connections = self.connections
         slot = await connections.admit()
         if isinstance(slot, Refusal):
             connections.metrics.rejections.inc(reason=slot.code)
-            return api_error(HTTPStatus.SERVICE_UNAVAILABLE, slot.code, slot.text)
+            return api_error(HTTPStatus.SERVICE_UNAVAILABLE, slot.code, slot.text), False
         call = Call(new_id("rtc"), self.configuration)
         call.secret = secret.value if secret is not None else None
         try:
@@ -129,17 +183,20 @@ class Calls:
                 if carried is not None:
                     session.handle(carried)
             answer = await call.answer(offer)
-        except Exception as exc:
+        except BaseException as exc:
             call.end("refused")
             await slot.end_session()
             await call.wait_closed()
             if isinstance(exc, ProtocolError):
-                return api_error(HTTPStatus.BAD_REQUEST, exc.code, exc.message, exc.param)
-            if isinstance(exc, ValueError):
-                return api_error(HTTPStatus.BAD_REQUEST, "invalid_offer", f"The SDP offer cannot be answered: {exc}")
+                return api_error(HTTPStatus.BAD_REQUEST, exc.code, exc.message, exc.param), False
+            if isinstance(exc, Exception):
+                # aiortc's parser and negotiation fail on a malformed offer with whatever Python raises
+                # (AssertionError, KeyError, AttributeError, ValueError...): the offer's fault, not ours.
+                log.info("call offer from %s refused: %s: %s", client, type(exc).__name__, exc)
+                text = f"The SDP offer cannot be answered: {type(exc).__name__}: {exc}"[:500]
+                return api_error(HTTPStatus.BAD_REQUEST, "invalid_offer", text), False
             raise
         self.calls[call.id] = call
-        connections.per_ip[client] = connections.per_ip.get(client, 0) + 1
         task = asyncio.get_running_loop().create_task(self._serve(call, slot, session, client), name=call.id)
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
@@ -152,7 +209,7 @@ class Calls:
                 ("Cache-Control", "no-store"),
             ]
         )
-        return Response(HTTPStatus.CREATED.value, HTTPStatus.CREATED.phrase, headers, data)
+        return Response(HTTPStatus.CREATED.value, HTTPStatus.CREATED.phrase, headers, data), True
 
     async def _serve(self, call: Call, slot: Any, session: Any, client: str) -> None:
         timeout = self.config.call_timeout_s
@@ -174,10 +231,7 @@ class Calls:
         finally:
             call.end(call.why or "session ended")
             self.calls.pop(call.id, None)
-            per_ip = self.connections.per_ip
-            per_ip[client] -= 1
-            if not per_ip[client]:
-                del per_ip[client]
+            self.connections.leave(client)
             await call.wait_closed()
 
     def hangup(self, call_id: str, request: Request, operator: bool) -> Response:

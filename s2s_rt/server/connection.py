@@ -66,16 +66,39 @@ class Connections:
         self.per_ip: dict[str, int] = {}
         self.trusted = [ipaddress.ip_network(p, strict=False) for p in config.trusted_proxies]
 
+    def enter(self, host: str) -> bool:
+        """Count a connection (a WebSocket or a call) of ``host`` from now on; False when it is one too many.
+
+        Counted before anything is awaited, so that connections arriving
+        together are counted together; each :meth:`enter` is paired with a :meth:`leave`.
+        """
+        self.per_ip[host] = self.per_ip.get(host, 0) + 1
+        limit = self.config.max_connections_per_ip
+        return not limit or self.per_ip[host] <= limit
+
+    def leave(self, host: str) -> None:
+        self.per_ip[host] -= 1
+        if not self.per_ip[host]:
+            del self.per_ip[host]
+
+    def too_many(self) -> tuple[str, str]:
+        """The error code and text of a connection over the per-address limit."""
+        return (
+            "too_many_connections",
+            f"At most {self.config.max_connections_per_ip} concurrent connections per client address",
+        )
+
     async def handle(self, ws: ServerConnection) -> None:
         """Serve one connection, from its handshake to its close."""
         host = client_host(ws, self.trusted)
-        self.per_ip[host] = self.per_ip.get(host, 0) + 1
+        within = self.enter(host)
         try:
-            await self._serve_connection(ws, host)
+            if within:
+                await self._serve_connection(ws, host)
+            else:
+                await self._refuse(ws, *self.too_many(), 1008)
         finally:
-            self.per_ip[host] -= 1
-            if not self.per_ip[host]:
-                del self.per_ip[host]
+            self.leave(host)
 
     async def _refuse(self, ws: ServerConnection, code: str, text: str, close_code: int) -> None:
         self.metrics.rejections.inc(reason=code)
@@ -120,11 +143,6 @@ class Connections:
         )
 
     async def _serve_connection(self, ws: ServerConnection, host: str) -> None:
-        cfg = self.config
-        if cfg.max_connections_per_ip and self.per_ip[host] > cfg.max_connections_per_ip:
-            text = f"At most {cfg.max_connections_per_ip} concurrent connections per client address"
-            await self._refuse(ws, "too_many_connections", text, 1008)
-            return
         slot = await self.admit()
         if isinstance(slot, Refusal):
             await self._refuse(ws, slot.code, slot.text, slot.close_code)

@@ -46,16 +46,49 @@ def check(
 
 
 def check_origin(config: Config, metrics: Metrics, request: Request) -> Response | None:
-    """The refusal of a browser from an origin not allowed, or None."""
+    """The refusal of a browser whose page is neither this server's own nor of an allowed origin, or None.
+
+    A browser names the page that makes a request in ``Origin``; programs
+    that are not browsers send none and are judged by their keys alone. A
+    page elsewhere (any website the user visits) reaches a server on the
+    user's own machine as easily as its own: it may open sessions or send
+    requests only when the operator allowed its origin (``--allowed-origin``).
+    """
     origins = request.headers.get_all("Origin")
     if len(origins) > 1:
         metrics.rejections.inc(reason="origin")
         return plain(HTTPStatus.BAD_REQUEST, "more than one Origin header\n")
-    origin = origins[0] if origins else None
-    if config.allowed_origins and origin is not None and origin not in config.allowed_origins:
+    if origins and not origin_allowed(config, request, origins[0]):
         metrics.rejections.inc(reason="origin")
-        return plain(HTTPStatus.FORBIDDEN, f"origin {origin} is not allowed\n")
+        return plain(
+            HTTPStatus.FORBIDDEN,
+            f"origin {origins[0]} is not allowed: only this server's own pages and the origins it is started"
+            " with (--allowed-origin) may use it\n",
+        )
     return None
+
+
+def origin_allowed(config: Config, request: Request, origin: str) -> bool:
+    """Whether a page of ``origin`` may use this server: one of its own pages, or an allowed origin."""
+    return origin in config.allowed_origins or same_origin(origin, request.headers.get_all("Host"))
+
+
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def same_origin(origin: str, hosts: Sequence[str]) -> bool:
+    """Whether ``origin`` (``scheme://host[:port]``) names the host and port the request was sent to (``Host``)."""
+    if len(hosts) != 1:
+        return False
+    try:
+        page = urllib.parse.urlsplit(origin)
+        target = urllib.parse.urlsplit(f"//{hosts[0].strip()}")
+        if page.scheme not in _DEFAULT_PORTS or page.path or page.query or not page.hostname or not target.hostname:
+            return False
+        default = _DEFAULT_PORTS[page.scheme]
+        return page.hostname == target.hostname and (page.port or default) == (target.port or default)
+    except ValueError:  # a port out of range, a bad IPv6 literal
+        return False
 
 
 def offered_keys(request: Request, *, subprotocol: bool = True) -> list[str]:

@@ -26,11 +26,12 @@ from s2s_rt.server.handshake import (
     check_origin,
     client_host,
     is_loopback,
+    origin_allowed,
     plain,
     unauthorized,
 )
 from s2s_rt.server.pool import Pool
-from s2s_rt.server.posts import Peer
+from s2s_rt.server.posts import Peer, json_of
 from s2s_rt.server.secrets import ClientSecret, ClientSecrets
 from s2s_rt.server.state import Serving
 
@@ -111,13 +112,18 @@ class Routes:
     # --- requests with bodies (read by h11: s2s_rt.server.posts) ------------------------
 
     async def answer_post(self, peer: Peer, request: Request, body: bytes) -> Response:
-        """A POST (or a CORS preflight) on the session port."""
+        """A POST (or a CORS preflight) on the session port.
+
+        A page of a foreign origin gets neither: its preflight is refused (so its
+        script never sends the request) and its POST is refused before it is read
+        (a form or a ``no-cors`` fetch sends a POST without asking first).
+        """
         path = request.path.split("?", 1)[0].rstrip("/") or "/"
-        if request.method == "OPTIONS":
-            return self._cors(request, self._preflight(request))
         refused = check_origin(self.config, self.metrics, request)
         if refused is not None:
             return refused
+        if request.method == "OPTIONS":
+            return self._cors(request, self._preflight(request, path))
         if len(request.headers.get_all("Authorization")) > 1:
             response = plain(HTTPStatus.BAD_REQUEST, "more than one Authorization header\n")
         elif path == SECRETS_PATH:
@@ -150,10 +156,7 @@ class Routes:
         if not allowed:
             return api_error(HTTPStatus.UNAUTHORIZED, "invalid_api_key", "Minting a client secret needs an API key")
         try:
-            parsed: Any = json.loads(body) if body.strip() else None
-        except ValueError:
-            return api_error(HTTPStatus.BAD_REQUEST, "invalid_json", "The body is not JSON")
-        try:
+            parsed: Any = json_of(body) if body.strip() else None
             secret = self.secrets.mint(parsed)
             session = self._session_of(secret)
         except ProtocolError as exc:
@@ -177,19 +180,29 @@ class Routes:
         rendered["expires_at"] = secret.expires_at
         return rendered
 
-    def _preflight(self, request: Request) -> Response:
+    def _preflight(self, request: Request, path: str) -> Response:
+        """A CORS preflight (its origin was allowed): approved for the routes pages use, never for operators'.
+
+        An operator route (``/drain``, ``/undrain``) or the operator's header asked
+        for is refused whatever the origin: operators use programs, not pages.
+        """
+        asked = [h.strip() for h in request.headers.get("Access-Control-Request-Headers", "").split(",") if h.strip()]
+        if path in ("/drain", "/undrain") or any(h.lower() == OPERATOR_HEADER.lower() for h in asked):
+            self.metrics.rejections.inc(reason="origin")
+            return plain(HTTPStatus.FORBIDDEN, f"{path} and the header {OPERATOR_HEADER} are not for web pages\n")
+        if not (path in (SECRETS_PATH, PAGE_SECRET_PATH, CALLS_PATH) or _HANGUP.match(path)):
+            return plain(HTTPStatus.NOT_FOUND, f"no route for a page at {path}\n")
         response = Response(HTTPStatus.NO_CONTENT.value, HTTPStatus.NO_CONTENT.phrase, Headers(), b"")
-        response.headers["Access-Control-Allow-Methods"] = "POST, GET, OPTIONS"
-        # Whatever headers the page's client sends (the SDKs add their own); keys travel in them, not in cookies.
-        asked = request.headers.get("Access-Control-Request-Headers", "Authorization, Content-Type")
-        response.headers["Access-Control-Allow-Headers"] = asked
+        response.headers["Access-Control-Allow-Methods"] = "POST, OPTIONS"
+        # The headers the page's client sends (the SDKs add their own); keys travel in them, not in cookies.
+        response.headers["Access-Control-Allow-Headers"] = ", ".join(asked) or "Authorization, Content-Type"
         response.headers["Access-Control-Max-Age"] = "600"
         return response
 
     def _cors(self, request: Request, response: Response) -> Response:
-        """Let pages of the allowed origins (any, when none are set) read the answer."""
+        """Let a page of an allowed origin read the answer (its origin was checked: one Origin at most)."""
         origin = request.headers.get("Origin")
-        if origin is not None and (not self.config.allowed_origins or origin in self.config.allowed_origins):
+        if origin is not None and origin_allowed(self.config, request, origin):
             response.headers["Access-Control-Allow-Origin"] = origin
             response.headers["Access-Control-Expose-Headers"] = "Location"
             response.headers["Vary"] = "Origin"
@@ -198,10 +211,11 @@ class Routes:
     def _operator(self, connection: ServerConnection, request: Request, path: str) -> Response:
         """``POST /drain`` and ``POST /undrain``, for operators only.
 
-        A browser cannot send them cross-site: they need POST and the
-        ``S2S-Operator`` header, which no form or image can carry (a script
-        would need a CORS preflight this server never approves). With API
-        keys set they also need a key; without keys, only this host may ask.
+        A browser cannot send them: they need POST and the ``S2S-Operator``
+        header, which no form or image can carry (a script would need a CORS
+        preflight this server never approves for them), and a browser names
+        its page in ``Origin``, which they refuse. With API keys set they also
+        need a key; without keys, only this host may ask.
         """
         if request.method != "POST":
             response = plain(HTTPStatus.METHOD_NOT_ALLOWED, f"use POST {path} with the header {OPERATOR_HEADER}: 1\n")
@@ -209,6 +223,9 @@ class Routes:
             return response
         if request.headers.get_all(OPERATOR_HEADER) != ["1"]:
             return plain(HTTPStatus.FORBIDDEN, f"{path} needs the header {OPERATOR_HEADER}: 1\n")
+        if request.headers.get_all("Origin"):
+            # A browser names the page behind every POST; no page, not even this server's own, drains it.
+            return plain(HTTPStatus.FORBIDDEN, f"{path} is not for web pages\n")
         if self.config.api_keys:
             if not authorized(self.config.api_keys, request, subprotocol=False):
                 return unauthorized()

@@ -20,9 +20,11 @@ from http import HTTPStatus
 from typing import Any
 
 import h11
+import msgspec
 from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
 
+from s2s_rt.protocol.errors import ProtocolError
 from s2s_rt.server.handshake import plain
 
 log = logging.getLogger(__name__)
@@ -160,6 +162,26 @@ class Exchange:
             asyncio.get_running_loop().call_later(1.0, self.transport.close)
             return
         self.transport.close()
+
+
+def json_of(data: bytes, param: str | None = None) -> Any:
+    """A JSON body (or form field) decoded, or a client's error.
+
+    Python's ``json`` takes what the rest of the server cannot: a lone
+    surrogate (``"\\ud800"``) is no text to encode again, and nesting thousands
+    deep exhausts its recursion. msgspec refuses the first and bounds the
+    second; both are the sender's fault.
+
+    Raises:
+        ProtocolError: ``invalid_json``.
+    """
+    where = f"The {param} field" if param else "The body"
+    try:
+        return msgspec.json.decode(data)
+    except msgspec.DecodeError as exc:
+        raise ProtocolError("invalid_json", f"{where} is not JSON: {exc}", param=param) from None
+    except RecursionError:
+        raise ProtocolError("invalid_json", f"{where} is nested too deeply", param=param) from None
 
 
 def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> str | None:

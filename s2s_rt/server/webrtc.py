@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import aioice.ice
 import numpy as np
 import numpy.typing as npt
 from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCSessionDescription
@@ -41,6 +42,7 @@ from av import AudioFrame
 from websockets.exceptions import ConnectionClosed
 
 from s2s_rt.audio import AudioFormat, resample
+from s2s_rt.pipeline.outbox import EventTooLarge
 
 log = logging.getLogger(__name__)
 
@@ -224,6 +226,8 @@ class Call:
         #: The secret that opened it (it may hang up with that), if one did.
         self.secret: str | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
+        #: The tasks that hear the caller's tracks (cancelled when the call ends).
+        self._listening: list[asyncio.Task[Any]] = []
         pc = self.pc
         pc.on("datachannel", self._datachannel)
         pc.on("track", self._track)
@@ -239,7 +243,15 @@ class Call:
         channel = self.channel
         if self.gone.is_set() or channel is None or channel.readyState != "open":
             raise CallClosed
-        channel.send(bytes(message).decode() if isinstance(message, (bytes, bytearray, memoryview)) else message)
+        data = bytes(message) if isinstance(message, (bytes, bytearray, memoryview)) else str(message).encode()
+        limit = max_message_size(channel)
+        if limit and len(data) > limit:
+            # aiortc would raise ValueError: refused here, by name, before anything is queued.
+            raise EventTooLarge(len(data), limit)
+        try:
+            channel.send(data.decode())
+        except ValueError as exc:  # an aiortc whose limit is kept elsewhere
+            raise EventTooLarge(len(data), limit) from exc
         if channel.bufferedAmount > CHANNEL_HIGH_WATER:
             await self._drained(channel)
 
@@ -280,6 +292,9 @@ class Call:
         self.gone.set()
         self.inbox.put_nowait(None)
         self.hear = None
+        # The caller's track may never deliver a frame (a call that never connected): nothing else wakes it.
+        for task in self._listening:
+            task.cancel()
         self._spawn(self.pc.close())
 
     async def wait_closed(self) -> None:
@@ -288,10 +303,11 @@ class Call:
         if tasks:
             await asyncio.wait(tasks, timeout=2.0)
 
-    def _spawn(self, coro: Any) -> None:
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro, name=f"call-{self.id}")
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
+        return task
 
     def _task_done(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)
@@ -324,8 +340,8 @@ class Call:
             channel.on("open", self.opened.set)
 
     def _track(self, track: MediaStreamTrack) -> None:
-        if track.kind == "audio":
-            self._spawn(self._listen(track))
+        if track.kind == "audio" and not self.gone.is_set():
+            self._listening.append(self._spawn(self._listen(track)))
 
     def _state_changed(self) -> None:
         if self.pc.connectionState in ("failed", "closed"):
@@ -362,6 +378,33 @@ class Call:
             gone.cancel()
         if self.gone.is_set():
             raise CallClosed
+
+
+#: A call whose peer has gone without a word (a closed tab, a crashed phone, a lost network) is noticed
+#: when the peer stops answering ICE consent checks (RFC 7675), which every live peer answers, muted or
+#: silent too. aioice checks every 5 s and gives up after 6 misses in a row, so a vanished browser held
+#: its slot about 30 s; the server checks about every second and gives up after 4 misses (some 6 s).
+CONSENT_INTERVAL_S = 1.0
+CONSENT_FAILURES = 4
+
+
+def check_consent_often() -> None:
+    """Make aioice check consent every :data:`CONSENT_INTERVAL_S`, and give up after :data:`CONSENT_FAILURES` misses.
+
+    aioice reads its module's two constants each time it waits and counts (it
+    offers no setting); they are process-wide, and the server's calls are the
+    only ICE connections of its process.
+    """
+    aioice.ice.CONSENT_INTERVAL = CONSENT_INTERVAL_S  # type: ignore[assignment]
+    aioice.ice.CONSENT_FAILURES = CONSENT_FAILURES
+
+
+def max_message_size(channel: Any) -> int:
+    """The largest message the peer of ``channel`` takes, as its SDP said (``a=max-message-size``); 0: no limit.
+
+    aiortc keeps it on the SCTP transport and refuses a larger message with ``ValueError``.
+    """
+    return int(getattr(getattr(channel, "transport", None), "_remote_max_message_size", 0) or 0)
 
 
 #: Packets aiortc's receiver holds before it decodes one: its own default is 4 (80 ms more before the
