@@ -4,6 +4,10 @@ A slot, a response and a speculation each have one :class:`Lifecycle`; the
 code that owns the state says which event happened (:meth:`Lifecycle.step`)
 and the table alone says where that leads. A pair the table does not hold is
 a server bug and raises :class:`LifecycleError`, never a client's doing.
+
+The owner keeps its state behind a read-only property whose only writer is
+its step method: a hand assignment (``slot.state = SlotState.IDLE``) raises
+``AttributeError`` at once, instead of moving the state around its table.
 """
 
 from __future__ import annotations

@@ -162,7 +162,7 @@ class Slot:
         self.metrics = metrics
         self.drain_timeout_s = drain_timeout_s
         self.send_timeout_s = send_timeout_s
-        self.state = SlotState.IDLE
+        self._state = SlotState.IDLE
         self.state_since = time.monotonic()
         self.ctx: SessionContext | None = None
         self.sessions_served = 0
@@ -221,10 +221,15 @@ class Slot:
 
     # --- lifecycle ------------------------------------------------------
 
+    @property
+    def state(self) -> SlotState:
+        """Where the slot is in its lifecycle: read-only, moved by :meth:`step` alone, along its table."""
+        return self._state
+
     def step(self, event: SlotEvent, reason: str | None = None) -> None:
         """Move the slot along its table (:data:`TRANSITIONS`); ``reason`` says why it is quarantined."""
-        new = LIFECYCLE.step(self.state, event, self.index)
-        self.state = new
+        new = LIFECYCLE.step(self._state, event, self.index)
+        self._state = new
         self.state_since = time.monotonic()
         if new is SlotState.QUARANTINED:
             self.quarantine_reason = reason

@@ -31,15 +31,11 @@ INSTALL_HINT = "make llama-server  (builds llama-cpp-python[server] into .venv/l
 
 
 def require_llama_cpp() -> None:
-    """Skip the test where llama.cpp's Python binding is not installed; in CI, fail it."""
-    import pytest
+    """Skip the test where llama.cpp's server is not installed; in CI, fail it (:func:`conftest.require`)."""
+    # Imported here: the benchmark script that shares this module needs none of the test helpers.
+    from conftest import require
 
-    if LLAMA_PYTHON.is_file():
-        return
-    message = f"{LLAMA_PYTHON} is missing; run: {INSTALL_HINT}"
-    if os.environ.get("CI"):
-        pytest.fail(message)
-    pytest.skip(message)
+    require(LLAMA_PYTHON.is_file(), f"{LLAMA_PYTHON} is missing; run: {INSTALL_HINT}")
 
 
 def free_port() -> int:

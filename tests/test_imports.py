@@ -70,13 +70,29 @@ def test_nothing_in_the_pipeline_imports_the_slot() -> None:
     assert offenders == [], f"these pipeline modules import s2s_rt.slot: {offenders}"
 
 
-def test_process_wide_listening_knows_no_session_or_slot() -> None:
-    offenders = {
-        name: sorted(d for d in deps if d.startswith(("s2s_rt.pipeline", "s2s_rt.slot", "s2s_rt.server")))
-        for name, deps in GRAPH.items()
-        if name.startswith("s2s_rt.listening")
-    }
-    assert {k: v for k, v in offenders.items() if v} == {}
+#: The core: what the pipeline and the server are built on. Layers import downward only, so none of these
+#: imports a module of the layers above (process-wide listening, for one, knows no session or slot).
+CORE = ("s2s_rt.turn", "s2s_rt.scope", "s2s_rt.lifecycle", "s2s_rt.engines", "s2s_rt.protocol", "s2s_rt.listening")
+ABOVE_THE_CORE = ("s2s_rt.pipeline", "s2s_rt.slot", "s2s_rt.server")
+
+
+def _in(name: str, packages: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in packages)
+
+
+def test_the_core_imports_nothing_from_the_pipeline_the_slot_or_the_server() -> None:
+    core = [name for name in GRAPH if _in(name, CORE)]
+    assert {"s2s_rt.turn", "s2s_rt.scope", "s2s_rt.engines.base", "s2s_rt.protocol.session"} <= set(core)
+    offenders = {name: sorted(d for d in GRAPH[name] if _in(d, ABOVE_THE_CORE)) for name in core}
+    assert {k: v for k, v in offenders.items() if v} == {}, "core modules import the layers above them"
+
+
+def test_the_pipeline_imports_nothing_from_the_server() -> None:
+    """The pipeline defines the ports its transports implement (the channel, the playback); it never imports one."""
+    pipeline = [name for name in GRAPH if _in(name, ("s2s_rt.pipeline",))]
+    assert "s2s_rt.pipeline.outbox" in pipeline
+    offenders = {name: sorted(d for d in GRAPH[name] if _in(d, ("s2s_rt.server",))) for name in pipeline}
+    assert {k: v for k, v in offenders.items() if v} == {}, "pipeline modules import the server"
 
 
 def _circles(graph: dict[str, set[str]]) -> list[list[str]]:

@@ -86,7 +86,7 @@ class Response:
         self.dialect = dialect
         self.conversation = conversation
         self.scope = scope
-        self.phase = Phase.CREATED
+        self._phase = Phase.CREATED
         self.status = "in_progress"
         self.outputs: list[se.Item] = []
         #: The open assistant message, while one is.
@@ -98,6 +98,11 @@ class Response:
         self.output_tokens = 0
 
     # --- properties ---------------------------------------------------------
+
+    @property
+    def phase(self) -> Phase:
+        """Where the response is in its lifecycle: read-only, moved by :meth:`_step` alone, along its table."""
+        return self._phase
 
     @property
     def audio(self) -> bool:
@@ -112,7 +117,7 @@ class Response:
         return self.params.token_limit
 
     def _step(self, step: Step) -> None:
-        self.phase = LIFECYCLE.step(self.phase, step, self.id)
+        self._phase = LIFECYCLE.step(self._phase, step, self.id)
 
     def _ev(self, cls: type[se.E], ga_name: str, **fields: Any) -> se.E:
         return self.dialect.event(cls, ga_name, **fields)
