@@ -25,8 +25,8 @@ from s2s_rt.protocol.server_events import AudioDelta, ServerEvent, encode_event
 from s2s_rt.scope import Scope
 
 if TYPE_CHECKING:
+    from s2s_rt.audio import AudioFormat
     from s2s_rt.protocol.session import Session
-    from s2s_rt.server.webrtc import Playback
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,26 @@ class EventTooLarge(Exception):
         super().__init__(f"an event of {size} bytes is more than the peer takes in one message ({limit})")
         self.size = size
         self.limit = limit
+
+
+class Playback(Protocol):
+    """Where a call plays its answers' audio (the transport's outgoing track), and what of it was heard.
+
+    Attributes:
+        notify: told ``("started" | "stopped", response_id)`` as a response's audio begins and ends playing.
+    """
+
+    notify: Callable[[str, str], None]
+
+    def play(self, response_id: str, item_id: str, data: bytes, fmt: AudioFormat) -> None:
+        """Queue one audio delta of a response, in the session's output format."""
+
+    def finish(self, response_id: str) -> None:
+        """A response's audio is all queued."""
+
+    def clear(self) -> tuple[str | None, str | None, float]:
+        """Drop what has not played: the response that was playing, the item cut, and the ms of it heard."""
+        ...
 
 
 class Channel(Protocol):
