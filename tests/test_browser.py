@@ -532,6 +532,24 @@ def test_second_page_while_the_pool_is_full_says_the_server_is_full(browser: Bro
         assert second.eval("s2s.transport") == transport
 
 
+def test_a_tab_closed_mid_call_without_a_hangup_gives_its_slot_back_within_seconds(browser: Browser) -> None:
+    """Chromium says no goodbye the server hears when a tab goes: the call is noticed dead by its silence to
+    ICE consent checks (about 30 s before, aioice's own timing), not left holding its slot."""
+    with fake_server("--pool-size", "1") as server:
+        page = start_hands_free(browser, server, "webrtc")
+        page.wait_for("s2s.state === 'ready'")
+        pool = json.loads(http("GET", server.url + "v1/pool")[1])
+        assert pool["free"] == 0
+        began = time.monotonic()
+        browser.call("Target.closeTarget", {"targetId": page.target})
+        browser.pages = {k: p for k, p in browser.pages.items() if p is not page}
+        while time.monotonic() - began < 40 and json.loads(http("GET", server.url + "v1/pool")[1])["free"] == 0:
+            time.sleep(0.2)
+        took = time.monotonic() - began
+        print(f"\nthe closed tab's slot came back {took:.1f} s after it closed")
+        assert took < 12, (took, server.log[-10:])
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_wrong_api_key_says_check_the_api_key_and_the_right_one_connects(browser: Browser, transport: str) -> None:
     with fake_server("--pool-size", "1", "--api-key", "right-key") as server:
