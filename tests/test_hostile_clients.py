@@ -309,7 +309,14 @@ def test_json_too_deep_or_with_a_lone_surrogate_is_400_not_500() -> None:
         async with live_server(pool_size=1) as server:
             pc, sdp = await an_offer()
             await pc.close()
-            bodies = [b"[" * 100_000 + b"]" * 100_000, b'{"session": {"instructions": "\\ud800"}}', b'"\\udc00"']
+            bodies = [
+                b"[" * 100_000 + b"]" * 100_000,
+                b'{"session": {"instructions": "\\ud800"}}',
+                b'"\\udc00"',
+                # The same surrogate as raw bytes (not UTF-8), and a byte that begins no character.
+                b'["\xed\xa0\x80"]',
+                b'{"session": {"type": "realtime", "instructions": "\xff"}}',
+            ]
             for body in bodies:
                 mint = request("POST", "/v1/realtime/client_secrets", {"Content-Type": "application/json"}, body)
                 status, _, answer = await raw(server, mint)
@@ -336,7 +343,7 @@ def test_json_too_deep_or_with_a_lone_surrogate_is_400_not_500() -> None:
 # --- 6. SIGTERM with a call that never connected ---------------------------------------------------
 
 
-def test_sigterm_with_a_call_that_never_connected_exits_0_within_the_grace_period() -> None:
+def test_sigterm_with_a_call_that_never_connected_and_a_body_half_sent_exits_0_within_the_grace_period() -> None:
     grace = 2.0
     proc = subprocess.Popen(
         [
@@ -376,6 +383,12 @@ def test_sigterm_with_a_call_that_never_connected_exits_0_within_the_grace_perio
 
         async def scenario() -> tuple[int, float]:
             pc = await a_call_that_never_connects(at)
+            # A request that says 5,000 bytes follow, sends five, and waits.
+            _, slow = await asyncio.open_connection("127.0.0.1", port)
+            slow.write(
+                b"POST /v1/realtime/calls HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/sdp\r\n"
+                b"Content-Length: 5000\r\n\r\nv=0\r\n"
+            )
             try:
                 await asyncio.sleep(0.5)
                 began = time.monotonic()
@@ -383,6 +396,7 @@ def test_sigterm_with_a_call_that_never_connected_exits_0_within_the_grace_perio
                 code = await asyncio.to_thread(proc.wait, grace + 10)
                 return code, time.monotonic() - began
             finally:
+                slow.close()
                 await pc.close()
 
         code, took = run(scenario())

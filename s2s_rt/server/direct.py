@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import ClassVar
@@ -62,13 +63,25 @@ class DirectConnection(ServerConnection):
     answer_post: posts.Answer | None = None
     #: The tasks answering them, until they end.
     post_tasks: ClassVar[set[asyncio.Task[None]]] = set()
+    #: The requests with bodies still being read (a client may send its body slowly, or never finish it).
+    reading: ClassVar[weakref.WeakSet[posts.Exchange]] = weakref.WeakSet()
     #: What a session's audio travels on besides its events (a WebSocket: nothing; see the Channel protocol).
     media = None
 
     @classmethod
     def answering(cls, answer: posts.Answer) -> type[DirectConnection]:
         """This class, answering POST and OPTIONS requests with ``answer`` (one server's connections)."""
-        return type(cls.__name__, (cls,), {"answer_post": staticmethod(answer), "post_tasks": set()})
+        attrs = {"answer_post": staticmethod(answer), "post_tasks": set(), "reading": weakref.WeakSet()}
+        return type(cls.__name__, (cls,), attrs)
+
+    @classmethod
+    def refuse_unread(cls, why: str) -> None:
+        """Answer 503 to every request whose body is still arriving, and close its connection (shutdown).
+
+        Its client may never finish it: the server does not wait for that.
+        """
+        for exchange in list(cls.reading):
+            exchange.refuse(why)
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
@@ -130,6 +143,7 @@ class DirectConnection(ServerConnection):
             if verdict:
                 assert self.answer_post is not None
                 self._post = posts.Exchange(self.transport, self.answer_post, self.post_tasks)
+                self.reading.add(self._post)
                 self._post.feed(first)
                 return
             data = first

@@ -227,7 +227,7 @@ class Server:
                     ping_interval=cfg.ping_interval_s,
                     ping_timeout=cfg.ping_timeout_s,
                     server_header="s2s-rt",
-                    create_connection=DirectConnection.answering(routes.answer_post),
+                    create_connection=(connection_class := DirectConnection.answering(routes.answer_post)),
                 ) as ws_server:
                     self.port = ws_server.sockets[0].getsockname()[1]
                     log.info(
@@ -240,6 +240,7 @@ class Server:
                     self._started.set()
                     await self._stop.wait()
                     await self._drain_for_shutdown()
+                    connection_class.refuse_unread("the server is shutting down")
                     ws_server.close()
                     await asyncio.gather(ws_server.wait_closed(), calls.close())
                 for task in tasks:

@@ -106,6 +106,12 @@ class Exchange:
         except h11.RemoteProtocolError as exc:
             self._reply(plain(HTTPStatus(exc.error_status_hint), f"bad request: {exc}\n"))
 
+    def refuse(self, why: str) -> None:
+        """Answer 503 at once and close, if the request has not been read whole (else nothing: it is answered)."""
+        if not self.done:
+            self.done = True
+            self._write(plain(HTTPStatus.SERVICE_UNAVAILABLE, f"{why}\n"))
+
     def eof(self) -> None:
         if not self.done:
             try:
@@ -178,7 +184,7 @@ def json_of(data: bytes, param: str | None = None) -> Any:
     where = f"The {param} field" if param else "The body"
     try:
         return msgspec.json.decode(data)
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:  # raw bytes that are not UTF-8: the second
         raise ProtocolError("invalid_json", f"{where} is not JSON: {exc}", param=param) from None
     except RecursionError:
         raise ProtocolError("invalid_json", f"{where} is nested too deeply", param=param) from None
