@@ -96,10 +96,11 @@ bench-llm: models llama-server
 soak: install
 	$(BIN)/python bin/s2s-rt-soak --minutes 10 --sessions 50
 
-# Ten minutes of the protocol fuzzer on fresh seeds (tests/test_session_fuzz.py; FUZZ_SEED=N replays one).
+# Ten minutes of each fuzzer on fresh seeds: WebSocket sessions, then the POST routes and WebRTC calls.
 fuzz: install
-	FUZZ_SECONDS=$${FUZZ_SECONDS:-600} FUZZ_KEEP_GOING=1 $(BIN)/python -m pytest tests/test_session_fuzz.py \
-		-k never_stop_the_server -s $(PYTEST_ARGS)
+	FUZZ_SECONDS=$${FUZZ_SECONDS:-600} FUZZ_KEEP_GOING=1 $(BIN)/python -m pytest \
+		tests/test_session_fuzz.py tests/test_surface_fuzz.py \
+		-k "never_stop_the_server or never_hurt_the_server" -s $(PYTEST_ARGS)
 
 lint: install
 	$(BIN)/ruff check s2s_rt tests

@@ -30,6 +30,15 @@ work never fails on purpose.
 A run returns a :class:`FuzzReport`; :meth:`FuzzReport.describe` prints the
 seed and, for each finding, the events the session sent (audio elided), so a
 failure can be replayed (``FUZZ_SEED=…``) or written down as a regression test.
+
+:func:`surface_fuzzing.surface_fuzz` does the same for the other ways in, against the server as
+a process of its own: mutated SDP offers, multipart forms and JSON bodies,
+preflights and posts from foreign origins, hangups of any id, offers in bursts
+from one address, and real WebRTC calls that never connect, drop mid-answer,
+vanish or overfill their data channel, beside calm sessions and a calm call;
+then a SIGTERM at a random moment. Each finding lists the requests in flight
+around it, saved to files that ``python tests/surface_fuzzing.py replay FILE PORT``
+sends again (:mod:`surface_fuzzing`).
 """
 
 from __future__ import annotations
@@ -978,14 +987,18 @@ class Hostile:
 class Run:
     """One fuzzing run against one live server."""
 
-    def __init__(self, server: Server, report: FuzzReport, deadline: float, *, avoid: frozenset[str]) -> None:
-        self.server = server
+    def __init__(self, server: Any, report: FuzzReport, deadline: float, *, avoid: frozenset[str]) -> None:
+        self.server = server  # anything with the port it listens on (a Server, a ServerProcess)
         self.report = report
         self.deadline = deadline
         self.avoid = avoid
         self.owners: dict[tuple[str, str], str] = {}
         self.calm_marker = re.compile(r"calmword(c\d+)x")
         self.live: set[Session] = set()
+        #: Headers every session's handshake carries (an API key, when the server wants one).
+        self.headers: dict[str, str] = {}
+        #: The loopback address each session connects from (by label), for per-address limits; default 127.0.0.1.
+        self.sources: dict[str, str] = {}
 
     def over(self) -> bool:
         return time.monotonic() >= self.deadline
@@ -999,7 +1012,8 @@ class Run:
     async def open(
         self, label: str, *, beta: bool = False, path: str = "/v1/realtime", calm: bool = False
     ) -> Session | None:
-        headers = {"OpenAI-Beta": "realtime=v1"} if beta else {}
+        headers = self.headers | ({"OpenAI-Beta": "realtime=v1"} if beta else {})
+        source = self.sources.get(label)
         try:
             ws = await connect(
                 f"ws://127.0.0.1:{self.server.port}{path}",
@@ -1007,6 +1021,7 @@ class Run:
                 open_timeout=10,
                 max_size=None,
                 max_queue=4 if not calm else 64,
+                **({"local_addr": (source, 0)} if source else {}),
             )
         except (InvalidHandshake, OSError, TimeoutError) as exc:
             self.report.stats[f"connect refused: {type(exc).__name__}"] += 1
