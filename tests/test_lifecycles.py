@@ -187,7 +187,7 @@ def test_a_guess_moves_only_along_its_table(phase: speculation.Phase, event: spe
 # --- nothing moves a state around its table -----------------------------------------------------------------
 
 
-def test_a_slot_state_or_response_phase_set_by_hand_raises_at_once() -> None:
+def test_a_slot_state_a_response_phase_or_a_guess_phase_set_by_hand_raises_at_once() -> None:
     s = _slot_in(slot.SlotState.DRAINING)
     with pytest.raises(AttributeError):
         s.state = slot.SlotState.IDLE  # type: ignore[misc]
@@ -196,6 +196,11 @@ def test_a_slot_state_or_response_phase_set_by_hand_raises_at_once() -> None:
     with pytest.raises(AttributeError):
         r.phase = response.Phase.DONE  # type: ignore[misc]
     assert r.phase is response.Phase.PART_OPEN
+    guess = speculation.Guess(None, None, None)  # type: ignore[arg-type]
+    guess.step(speculation.Event.START)
+    with pytest.raises(AttributeError):
+        guess.phase = speculation.Phase.USED  # type: ignore[misc]
+    assert guess.phase is speculation.Phase.SPECULATING
 
 
 #: The attributes that hold a lifecycle's state (the slot's, a response's, a speculation's), public or private.

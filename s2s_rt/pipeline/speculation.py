@@ -113,10 +113,15 @@ class Guess:
     timing: TurnTiming
     #: ``semantic_vad``: the probability that the words transcribed end the turn, once judged.
     finished: float | None = None
-    phase: Phase = field(default=Phase.IDLE)
+    _phase: Phase = field(default=Phase.IDLE)
+
+    @property
+    def phase(self) -> Phase:
+        """Where the guess is in :data:`LIFECYCLE`; only :meth:`step` moves it."""
+        return self._phase
 
     def step(self, event: Event) -> None:
-        self.phase = LIFECYCLE.step(self.phase, event)
+        self._phase = LIFECYCLE.step(self._phase, event)
 
 
 class Speculator:
