@@ -192,6 +192,28 @@ def test_a_page_secret_is_minted_for_the_servers_own_page_only() -> None:
     run(scenario())
 
 
+def test_a_page_of_a_name_pointed_at_this_machine_is_not_the_servers_own_unless_allowed() -> None:
+    """DNS rebinding: evil.example resolves to 127.0.0.1, so its page's Origin and the Host agree."""
+
+    async def scenario() -> None:
+        async with live_server(pool_size=1, api_keys=["K"], page_secrets=True) as server:
+            rebound = f"evil.example:{server.port}"
+            mint = request("POST", "/page/client_secret", {"Origin": f"http://{rebound}"})
+            mint = mint.replace(b"Host: 127.0.0.1", f"Host: {rebound}".encode())
+            status, _, body = await raw(server, mint)
+            assert status == 403 and b"ek_" not in body
+        # A server the operator reaches by its name allows that name's origin.
+        async with live_server(
+            pool_size=1, api_keys=["K"], page_secrets=True, allowed_origins=["http://s2s.example"]
+        ) as server:
+            mint = request("POST", "/page/client_secret", {"Origin": "http://s2s.example"})
+            mint = mint.replace(b"Host: 127.0.0.1", b"Host: s2s.example")
+            status, _, body = await raw(server, mint)
+            assert status == 200 and json.loads(body)["value"].startswith("ek_")
+
+    run(scenario())
+
+
 def test_a_foreign_page_opens_no_session_over_a_websocket() -> None:
     async def scenario() -> None:
         from websockets.exceptions import InvalidStatus

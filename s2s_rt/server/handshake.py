@@ -62,8 +62,8 @@ def check_origin(config: Config, metrics: Metrics, request: Request) -> Response
         metrics.rejections.inc(reason="origin")
         return plain(
             HTTPStatus.FORBIDDEN,
-            f"origin {origins[0]} is not allowed: only this server's own pages and the origins it is started"
-            " with (--allowed-origin) may use it\n",
+            f"origin {origins[0]} is not allowed: only this server's own pages (at its address) and the origins"
+            " it is started with (--allowed-origin; a server reached by a name allows https://NAME) may use it\n",
         )
     return None
 
@@ -77,7 +77,13 @@ _DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
 def same_origin(origin: str, hosts: Sequence[str]) -> bool:
-    """Whether ``origin`` (``scheme://host[:port]``) names the host and port the request was sent to (``Host``)."""
+    """Whether ``origin`` (``scheme://host[:port]``) is the server's own: the address the request was sent to.
+
+    Only an address counts (an IP literal or ``localhost``), not a name: a
+    page of a name its owner points at this machine (DNS rebinding) would
+    otherwise be "the server's own". A server reached by a name allows that
+    name's origin explicitly (``--allowed-origin https://NAME``).
+    """
     if len(hosts) != 1:
         return False
     try:
@@ -86,9 +92,20 @@ def same_origin(origin: str, hosts: Sequence[str]) -> bool:
         if page.scheme not in _DEFAULT_PORTS or page.path or page.query or not page.hostname or not target.hostname:
             return False
         default = _DEFAULT_PORTS[page.scheme]
-        return page.hostname == target.hostname and (page.port or default) == (target.port or default)
+        same = page.hostname == target.hostname and (page.port or default) == (target.port or default)
+        return same and _is_address(target.hostname)
     except ValueError:  # a port out of range, a bad IPv6 literal
         return False
+
+
+def _is_address(host: str) -> bool:
+    if host == "localhost" or host.endswith(".localhost"):
+        return True  # resolved to loopback by browsers themselves, never by DNS
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def offered_keys(request: Request, *, subprotocol: bool = True) -> list[str]:
