@@ -14,6 +14,7 @@ import re
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 
@@ -22,6 +23,7 @@ import pytest
 from s2s_rt.engines.base import ChatMessage, FirstWordsPause, FunctionCall, LLMRequest, LLMUsage
 from s2s_rt.engines.chat_formats import ChatML, result_words
 from s2s_rt.engines.llm import CT2ChatLLM
+from s2s_rt.engines.llm_lanes import LONG_READING_TOKENS
 from s2s_rt.engines.llm_turns import HOLD_S
 from s2s_rt.engines.tokenizing import TextStream
 from s2s_rt.models import ModelError
@@ -444,6 +446,61 @@ def test_an_answer_whose_words_are_held_back_goes_first_only_for_its_first_token
     assert URGENT_TOKENS < 400
     # The other answer got its words out while the held-back one was still generating.
     assert firsts["other"] < ends["held"] and ends["other"] < ends["held"], (firsts, ends)
+
+
+# --- long readings beside other answers ----------------------------------------------------------
+
+#: About 630 tokens: a reading of the long lane (``LONG_READING_TOKENS``), several times longer to read than
+#: another session's short answer takes (about 8 s against 0.6 s for the tiny model on a 2-core AMD EPYC).
+LONG_PROMPT = [ChatMessage("user", "lorem ipsum dolor sit amet " * 60 + "Say hello.")]
+
+
+def _reading(llm: CT2ChatLLM, should_stop: Callable[[], bool] = _never) -> tuple[threading.Thread, dict[str, float]]:
+    """A session's answer to LONG_PROMPT, started on a thread: when it was asked, its first piece, its end."""
+    times: dict[str, float] = {}
+    usage = LLMUsage()
+
+    def read() -> None:
+        times["asked"] = time.monotonic()
+        for _ in llm.stream(
+            LLMRequest.of(LONG_PROMPT, max_tokens=2, temperature=0.0),
+            should_stop=should_stop,
+            usage=usage,
+            urgent=lambda: True,
+        ):
+            times.setdefault("first", time.monotonic())
+        times["end"] = time.monotonic()
+
+    thread = threading.Thread(target=read)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not usage.input_tokens and time.monotonic() < deadline:  # set just before the model reads it
+        time.sleep(0.001)
+    time.sleep(0.2)  # and the model is reading it
+    return thread, times
+
+
+def test_a_long_reading_does_not_hold_another_sessions_answer(tiny_llm: CT2ChatLLM) -> None:
+    """Another session's short answer is read and answered while one session's long prompt is read."""
+    assert tiny_llm.count_tokens(LONG_PROMPT) >= LONG_READING_TOKENS
+    thread, long = _reading(tiny_llm)
+    first, end = _answered_unheard(tiny_llm)
+    thread.join(timeout=120)
+    assert end < long["first"], (first, end, long)
+
+
+def test_a_cancelled_reading_waiting_for_the_long_lane_reads_nothing(tiny_llm: CT2ChatLLM) -> None:
+    """A long reading cancelled while another is read stops at once, never read (no waiting for the other)."""
+    thread, long = _reading(tiny_llm)
+    cancelled = threading.Event()
+    other, waiting = _reading(tiny_llm, should_stop=cancelled.is_set)
+    cancelled.set()
+    stopped = time.monotonic()
+    other.join(timeout=120)
+    thread.join(timeout=120)
+    assert "first" not in waiting, waiting
+    assert waiting["end"] - stopped < 0.5, (stopped, waiting, long)
+    assert waiting["end"] < long["first"], (waiting, long)
 
 
 # --- the pause while the first clause is made into speech ---------------------------------------

@@ -1,15 +1,11 @@
 """The chat LLM engine: a CTranslate2 decoder that streams its answer.
 
-One :class:`CT2ChatLLM` is loaded per process and shared by every slot:
-``ctranslate2.Generator`` queues concurrent requests onto its
-``inter_threads`` workers, and the tokenizer is read-only after loading.
-
-A model directory holds the CTranslate2 model (``model.bin``,
-``config.json``, ``vocabulary.json|txt``), a tokenizer (``tokenizer.json`` or
-a SentencePiece ``tokenizer.model``), and, as Hugging Face lays it out, the
-chat template in ``tokenizer_config.json`` and the end-of-turn ids in
-``generation_config.json``. ``s2s-rt models prepare`` writes such directories;
-so does CTranslate2's own converter with ``--copy_files``.
+One :class:`CT2ChatLLM` is loaded per process and shared by every slot (calls
+take their lane, :mod:`~s2s_rt.engines.llm_lanes`; the tokenizer is read-only).
+A model directory holds the CTranslate2 model, a tokenizer (``tokenizer.json``
+or SentencePiece's), and, laid out as Hugging Face does, the chat template
+(``tokenizer_config.json``) and end-of-turn ids (``generation_config.json``):
+``s2s-rt models prepare`` writes them, as does CTranslate2's ``--copy_files``.
 """
 
 from __future__ import annotations
@@ -28,6 +24,7 @@ import numpy as np
 from s2s_rt.engines.base import ChatMessage, FirstWordsPause, LLMRequest, LLMUsage, StopCheck
 from s2s_rt.engines.chat_formats import ChatFormat, ChatPrompt
 from s2s_rt.engines.kept_state import MIN_KEPT_TOKENS, PROBE, KeptStateCheck, check_kept_state
+from s2s_rt.engines.llm_lanes import LONG_READING_TOKENS, Lanes, never
 from s2s_rt.engines.llm_turns import SENTENCE_END, AnswerTurn, Turns, token_steps
 from s2s_rt.engines.prompt_cache import ConversationPrefixes, StaticPrefixes
 from s2s_rt.engines.tokenizing import TextStream, begin_ids, load_tokenizer, read_json, read_vocabulary
@@ -61,7 +58,9 @@ class CT2ChatLLM:
         compute_type: CTranslate2 compute type; None picks ``int8`` on CPU
             and ``int8_float16`` on CUDA.
         inter_threads: generations that run at once (each on its own
-            workers); more requests wait in CTranslate2's queue.
+            workers); more requests wait their turn. The model gets one
+            replica more (sharing the weights), for long readings
+            (:mod:`s2s_rt.engines.llm_lanes`).
         intra_threads: threads per generation. On small CPUs one thread
             decodes a model of 0.5B parameters or less fastest.
         max_context_tokens: prompt plus answer budget; None takes the
@@ -81,6 +80,9 @@ class CT2ChatLLM:
             answers (:meth:`prime`; 0: none); past it the model is reloaded,
             which forgets them all.
         prefix_session_tokens: the longest prefix kept for one conversation.
+        long_reading_tokens: a call that reads at least this many prompt
+            tokens (past a kept state) reads them in the long lane, beside
+            other sessions' answers (:class:`~s2s_rt.engines.llm_lanes.Lanes`).
 
     Both kinds of kept state are checked once after loading
     (:func:`check_kept_state`) and turned off, with a warning, where a
@@ -106,6 +108,7 @@ class CT2ChatLLM:
         cached_system_prompts: Sequence[str] = (),
         prefix_cache_tokens: int = 0,
         prefix_session_tokens: int = 2048,
+        long_reading_tokens: int = LONG_READING_TOKENS,
     ) -> None:
         import ctranslate2
 
@@ -141,7 +144,8 @@ class CT2ChatLLM:
             device=device,
             device_index=device_index,
             compute_type=self.compute_type,
-            inter_threads=inter_threads,
+            # One replica more, for long readings; replicas share the weights and the kept states.
+            inter_threads=inter_threads + 1,
             intra_threads=intra_threads,
         )
         #: The conversation prefixes CTranslate2 holds (guarded by ``_lock``).
@@ -149,8 +153,9 @@ class CT2ChatLLM:
         self._lock = threading.Lock()
         #: Times the model was reloaded to forget held prefixes.
         self.reloads = 0
-        #: Answers waiting for their first words go first.
-        self.turns = Turns()
+        #: Answers waiting for their first words go first (long readings' answers take turns apart, beside them).
+        self.turns, self.long_turns, self.lanes = Turns(), Turns(), Lanes(inter_threads)
+        self.long_reading_tokens = long_reading_tokens
         #: Token ids that end a sentence (``turn_end_probability``).
         self._sentence_ends = [i for i, token in enumerate(self._vocabulary) if SENTENCE_END.fullmatch(token)]
         try:
@@ -195,7 +200,7 @@ class CT2ChatLLM:
         kept = f"; {self.kept_state.describe()}" if self.kept_state is not None else ""
         return (
             f"LLM {self.model_dir} (CTranslate2 {self.compute_type} on {self.device}, "
-            f"{inter} concurrent x {intra} threads, context {self.max_context_tokens}){kept}"
+            f"{inter} concurrent + 1 for long readings x {intra} threads, context {self.max_context_tokens}){kept}"
         )
 
     def _next_logits(self, kept: Sequence[int], rest: Sequence[int]) -> np.ndarray:
@@ -242,7 +247,8 @@ class CT2ChatLLM:
                 clause not spoken). CTranslate2 decodes one answer at a time;
                 answers that are not urgent stop between tokens while another
                 is, and resume (reading what they said so far again) once
-                none is (:class:`Turns`).
+                none is (:class:`Turns`); a long prompt's answer goes beside
+                them (:class:`~s2s_rt.engines.llm_lanes.Lanes`).
             pause: decoding pauses after the token that ends the first
                 clause until its speech is made, for at most
                 :data:`~s2s_rt.engines.llm_turns.HOLD_S`, and not while
@@ -262,10 +268,12 @@ class CT2ChatLLM:
         greedy = temperature <= GREEDY_TEMPERATURE
         static, prompt, usage.cached_tokens = self._split(prompt)
         static_tokens = [self._vocabulary[i] for i in static] or None
+        # A long reading goes beside other answers, in a lane of its own, where it takes turns with other long ones.
+        long = len(static) - usage.cached_tokens + len(prompt) >= self.long_reading_tokens
         said: list[int] = []  # the answer's tokens so far, read again when it resumes after giving way
         text = TextStream(self._tokenizer)
         framing = CallFraming(required=require_tool) if tools else None
-        turns = self.turns
+        turns = self.long_turns if long else self.turns
         # The pause sees the text as decoded in CTranslate2's worker, before the next token is computed.
         place = AnswerTurn(
             turns,
@@ -278,37 +286,40 @@ class CT2ChatLLM:
 
         try:
             while True:
-                steps = token_steps(
-                    generator,
-                    [self._vocabulary[i] for i in prompt + said],
-                    static_prompt=static_tokens,
-                    max_length=max_tokens - len(said),
-                    sampling_topk=1 if greedy else SAMPLING_TOP_K,
-                    sampling_topp=1.0 if greedy else SAMPLING_TOP_P,
-                    sampling_temperature=1.0 if greedy else temperature,
-                    repetition_penalty=self._repetition_penalty,
-                    end_token=self._end_ids,
-                    callback=place.after_token,
-                )
                 ended = False
-                try:
-                    for step in steps:
-                        if should_stop():
-                            return
-                        if step.token_id in self._end_ids:
-                            ended = True
-                            break
-                        said.append(step.token_id)
-                        usage.output_tokens += 1
-                        piece = text.push(step.token_id)
-                        if framing is not None:
-                            piece = framing.feed(piece)
-                        if piece:
-                            yield piece
-                        place.took(len(said))
-                finally:
-                    # Closing tells CTranslate2 to stop at its next token and waits for it.
-                    steps.close()
+                with self.lanes.take(long, should_stop) as got:
+                    if not got:
+                        return
+                    steps = token_steps(
+                        generator,
+                        [self._vocabulary[i] for i in prompt + said],
+                        static_prompt=static_tokens,
+                        max_length=max_tokens - len(said),
+                        sampling_topk=1 if greedy else SAMPLING_TOP_K,
+                        sampling_topp=1.0 if greedy else SAMPLING_TOP_P,
+                        sampling_temperature=1.0 if greedy else temperature,
+                        repetition_penalty=self._repetition_penalty,
+                        end_token=self._end_ids,
+                        callback=place.after_token,
+                    )
+                    try:
+                        for step in steps:
+                            if should_stop():
+                                return
+                            if step.token_id in self._end_ids:
+                                ended = True
+                                break
+                            said.append(step.token_id)
+                            usage.output_tokens += 1
+                            piece = text.push(step.token_id)
+                            if framing is not None:
+                                piece = framing.feed(piece)
+                            if piece:
+                                yield piece
+                            place.took(len(said))
+                    finally:
+                        # Closing tells CTranslate2 to stop at its next token and waits for it.
+                        steps.close()
                 if ended or len(said) >= max_tokens or should_stop():
                     break
                 # Stopped short of its end: it gave way to an answer that has not spoken yet. Resume once none is.
@@ -356,7 +367,8 @@ class CT2ChatLLM:
         changed, or cut to fit the context) reads the whole prompt, as
         without it. Past ``prefix_cache_tokens`` of held state the model is
         reloaded first, forgetting every held prefix. Costs what reading
-        the conversation costs; run it when the model is otherwise idle.
+        the conversation costs; run it when the model is otherwise idle (a
+        long one is read beside other sessions' answers, in the long lane).
 
         Returns:
             whether the state after ``messages`` is held now.
@@ -385,15 +397,16 @@ class CT2ChatLLM:
             self._generator = generator = self._load()
             self.reloads += 1
         after = read[len(prefix)] if len(prefix) < len(read) else chat.turns[-1][0]
-        steps = generator.generate_tokens(
-            [self._vocabulary[after]],
-            static_prompt=[self._vocabulary[i] for i in prefix],
-            max_length=1,
-            sampling_topk=1,
-        )
-        for _step in steps:
-            break
-        steps.close()
+        with self.lanes.take(len(prefix) >= self.long_reading_tokens, never):
+            steps = generator.generate_tokens(
+                [self._vocabulary[after]],
+                static_prompt=[self._vocabulary[i] for i in prefix],
+                max_length=1,
+                sampling_topk=1,
+            )
+            for _step in steps:
+                break
+            steps.close()
         return True
 
     def turn_end_probability(self, messages: Sequence[ChatMessage]) -> float:
@@ -419,13 +432,14 @@ class CT2ChatLLM:
         tokens = [t for turn in self._chat.encode([*context, ChatMessage("user", words)]).turns[:-1] for t in turn]
         end = max(i for i, token in enumerate(tokens) if token == self._chat.end_id)
         tokens = tokens[:end][-self.max_context_tokens :]  # up to the words, without the turn's end
-        result = generator.generate_batch(
-            [[self._vocabulary[i] for i in tokens]],
-            max_length=1,
-            sampling_topk=1,
-            return_logits_vocab=True,
-            include_prompt_in_result=False,
-        )[0]
+        with self.lanes.take(len(tokens) >= self.long_reading_tokens, never):
+            result = generator.generate_batch(
+                [[self._vocabulary[i] for i in tokens]],
+                max_length=1,
+                sampling_topk=1,
+                return_logits_vocab=True,
+                include_prompt_in_result=False,
+            )[0]
         logits = np.asarray(result.logits[0][0], dtype=np.float64)
         probabilities = np.exp(logits - logits.max())
         return float(probabilities[self._sentence_ends].sum() / probabilities.sum())

@@ -25,10 +25,11 @@ HOLD_S = 0.5
 class Turns:
     """Which answers are waiting for their first words: they decode before answers already being heard.
 
-    CTranslate2 runs one generation at a time per model (``inter_threads``
-    1): an answer asked for while another streams would wait for all of it.
-    An answer already being heard gives way instead, between two tokens,
-    and resumes when no answer is waiting for its first words.
+    Answers take the model one at a time in each of its lanes
+    (:class:`~s2s_rt.engines.llm_lanes.Lanes`; each lane has its own
+    turn-taking): an answer asked for while another streams would wait for
+    all of it. An answer already being heard gives way instead, between two
+    tokens, and resumes when no answer is waiting for its first words.
     """
 
     def __init__(self) -> None:
