@@ -172,8 +172,10 @@ def test_a_crashed_out_slot_whose_late_drain_ends_rests_then_returns() -> None:
 
 @pytest.mark.parametrize(("phase", "event"), list(itertools.product(speculation.Phase, speculation.Event)))
 def test_a_guess_moves_only_along_its_table(phase: speculation.Phase, event: speculation.Event) -> None:
-    guess = speculation.Guess.__new__(speculation.Guess)
-    guess.phase = phase
+    guess = speculation.Guess(None, None, None)  # type: ignore[arg-type]
+    for step in _path(speculation.LIFECYCLE, speculation.Phase.IDLE, phase):
+        guess.step(step)
+    assert guess.phase is phase
     expected = speculation.TRANSITIONS.get((phase, event))
     if expected is None:
         with pytest.raises(LifecycleError):
