@@ -1327,3 +1327,20 @@ def avoided_from_env() -> frozenset[str]:
     unknown = names - AVOIDABLE
     assert not unknown, f"FUZZ_AVOID names unknown patterns {sorted(unknown)}; known: {sorted(AVOIDABLE)}"
     return names
+
+
+def seeds(fuzz_seconds: float, run_seconds: float) -> list[int]:
+    """``FUZZ_SEED``'s seeds; else fixed ones for a bounded run (at most 60 s), fresh ones for a long one."""
+    given = os.environ.get("FUZZ_SEED")
+    if given:
+        return [int(s) for s in given.split(",")]
+    if fuzz_seconds <= 60:
+        return list(range(1, 1 + max(1, round(fuzz_seconds / run_seconds))))
+    first = random.SystemRandom().randrange(10**6)
+    return list(range(first, first + 10_000))
+
+
+def check_reports(reports: list[FuzzReport]) -> None:
+    """Fail with every finding of every report (each with its seed, to replay it)."""
+    failed = [r for r in reports if r.findings]
+    assert not failed, "\n\n".join(r.describe() for r in failed)

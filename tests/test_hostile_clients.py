@@ -12,14 +12,13 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import subprocess
-import sys
 import time
 from typing import Any
 
 import pytest
 from conftest import RealtimeClient, eventually, live_server, run, silence, tone
 from openai import APIStatusError, AsyncOpenAI
+from test_shutdown import start_server
 from test_webrtc import a_call_that_never_connects, base_url
 
 from s2s_rt.bench.call import CallClient
@@ -367,35 +366,9 @@ def test_json_too_deep_or_with_a_lone_surrogate_is_400_not_500() -> None:
 
 def test_sigterm_with_a_call_that_never_connected_and_a_body_half_sent_exits_0_within_the_grace_period() -> None:
     grace = 2.0
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "s2s_rt",
-            "serve",
-            "--stack",
-            "fake",
-            "--port",
-            "0",
-            "--pool-size",
-            "2",
-            "--grace-period",
-            str(grace),
-            "--call-timeout",
-            "60",
-        ],
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc, port = start_server(2, grace, "--call-timeout", "60")
     assert proc.stderr is not None
     try:
-        port = 0
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and not port:
-            line = proc.stderr.readline()
-            if "listening on ws://" in line:
-                port = int(line.split("ws://", 1)[1].split("/", 1)[0].rsplit(":", 1)[1])
-        assert port, "server did not start"
 
         class At:
             pass

@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import base64
 import os
-import random
 import time
 
 import pytest
 from conftest import RealtimeClient, live_server, run
-from fuzzing import AVOIDABLE, FuzzReport, avoided_from_env, fuzz
+from fuzzing import AVOIDABLE, FuzzReport, avoided_from_env, check_reports, fuzz, seeds
 
 from s2s_rt import Server
 
@@ -38,33 +37,17 @@ HOSTILE = int(os.environ.get("FUZZ_HOSTILE", "4"))
 CALM = int(os.environ.get("FUZZ_CALM", "2"))
 
 
-def _seeds() -> list[int]:
-    """``FUZZ_SEED``'s seeds; else fixed ones for a bounded run, fresh ones (printed) for a long one."""
-    given = os.environ.get("FUZZ_SEED")
-    if given:
-        return [int(s) for s in given.split(",")]
-    if FUZZ_SECONDS <= 60:
-        return list(range(1, 1 + max(1, round(FUZZ_SECONDS / RUN_SECONDS))))
-    first = random.SystemRandom().randrange(10**6)
-    return list(range(first, first + 10_000))
-
-
-def _check(reports: list[FuzzReport]) -> None:
-    failed = [r for r in reports if r.findings]
-    assert not failed, "\n\n".join(r.describe() for r in failed)
-
-
 def test_fuzzer_can_avoid_only_patterns_it_knows() -> None:
     assert avoided_from_env() <= AVOIDABLE
 
 
 def test_hostile_sessions_never_stop_the_server_or_reach_another_session() -> None:
     avoid = avoided_from_env()
-    seeds = _seeds()
+    chosen = seeds(FUZZ_SECONDS, RUN_SECONDS)
     replay = "FUZZ_SEED" in os.environ
     reports: list[FuzzReport] = []
     end = time.monotonic() + FUZZ_SECONDS
-    for seed in seeds:
+    for seed in chosen:
         left = end - time.monotonic()
         if not replay and left < min(RUN_SECONDS, 5.0):
             break
@@ -74,7 +57,7 @@ def test_hostile_sessions_never_stop_the_server_or_reach_another_session() -> No
         print(report.summary(), flush=True)
         if report.findings and os.environ.get("FUZZ_KEEP_GOING") != "1":
             break
-    _check(reports)
+    check_reports(reports)
 
 
 @pytest.mark.slow
@@ -96,7 +79,7 @@ def test_hostile_session_cannot_stop_the_default_stack_or_its_neighbour(default_
     # waits behind it: a known limit of the turn-taking (it gives way between tokens, not within a reading).
     avoid = frozenset({"huge_append", "long_prompts"})
     report = run(fuzz(seed, 6.0, hostile=1, calm=1, stack="default", speech=speech, avoid=avoid), timeout=120)
-    _check([report])
+    check_reports([report])
 
 
 # --- regression tests: what the fuzzer found, each as the minimal sequence that showed it -------------

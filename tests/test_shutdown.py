@@ -16,7 +16,8 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 
-def _start(pool_size: int, grace: float) -> tuple[subprocess.Popen[str], int]:
+def start_server(pool_size: int, grace: float, *args: str) -> tuple[subprocess.Popen[str], int]:
+    """``s2s-rt serve --stack fake`` in a subprocess (``args``: more options), and its port once it listens."""
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -31,6 +32,7 @@ def _start(pool_size: int, grace: float) -> tuple[subprocess.Popen[str], int]:
             str(pool_size),
             "--grace-period",
             str(grace),
+            *args,
         ],
         stderr=subprocess.PIPE,
         text=True,
@@ -54,7 +56,7 @@ def _readyz(port: int) -> int:
 
 
 def test_sigterm_with_eight_sessions_mid_turn() -> None:
-    proc, port = _start(pool_size=8, grace=10)
+    proc, port = start_server(pool_size=8, grace=10)
     url = f"ws://127.0.0.1:{port}/v1/realtime"
 
     async def session(n: int, started: asyncio.Event, results: list) -> None:
@@ -119,7 +121,7 @@ def test_sigterm_with_eight_sessions_mid_turn() -> None:
 def test_sigterm_ends_a_process_whose_engine_call_is_wedged_within_the_grace_period_and_a_second() -> None:
     """An engine call that never checks for cancellation holds its thread (and the interpreter's exit) for a minute."""
     grace = 1.0
-    proc, port = _start(pool_size=2, grace=grace)
+    proc, port = start_server(pool_size=2, grace=grace)
     url = f"ws://127.0.0.1:{port}/v1/realtime"
 
     async def scenario() -> float:

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import pytest
 from conftest import run
+from fuzzing import check_reports, seeds
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from surface_fuzzing import (
@@ -61,28 +62,12 @@ FUZZ_SECONDS = float(os.environ.get("FUZZ_SECONDS", "20"))
 RUN_SECONDS = float(os.environ.get("FUZZ_RUN_SECONDS", "20" if FUZZ_SECONDS <= 60 else "60"))
 
 
-def _seeds() -> list[int]:
-    """``FUZZ_SEED``'s seeds; else fixed ones for a bounded run, fresh ones (printed) for a long one."""
-    given_seeds = os.environ.get("FUZZ_SEED")
-    if given_seeds:
-        return [int(s) for s in given_seeds.split(",")]
-    if FUZZ_SECONDS <= 60:
-        return list(range(1, 1 + max(1, round(FUZZ_SECONDS / RUN_SECONDS))))
-    first = random.SystemRandom().randrange(10**6)
-    return list(range(first, first + 10_000))
-
-
-def _check(reports: list[FuzzReport]) -> None:
-    failed = [r for r in reports if r.findings]
-    assert not failed, "\n\n".join(r.describe() for r in failed)
-
-
 def test_hostile_requests_and_calls_never_hurt_the_server_or_the_calm_clients() -> None:
-    seeds = _seeds()
+    chosen = seeds(FUZZ_SECONDS, RUN_SECONDS)
     replay = "FUZZ_SEED" in os.environ
     reports: list[FuzzReport] = []
     end = time.monotonic() + FUZZ_SECONDS
-    for seed in seeds:
+    for seed in chosen:
         left = end - time.monotonic()
         if not replay and left < min(RUN_SECONDS, 5.0):
             break
@@ -92,7 +77,7 @@ def test_hostile_requests_and_calls_never_hurt_the_server_or_the_calm_clients() 
         print(report.summary(), flush=True)
         if report.findings and os.environ.get("FUZZ_KEEP_GOING") != "1":
             break
-    _check(reports)
+    check_reports(reports)
 
 
 # --- the offers it makes stay on this machine ------------------------------------------------------
