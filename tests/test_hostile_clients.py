@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 import pytest
-from conftest import RealtimeClient, eventually, live_server, run, silence, tone
+from conftest import RealtimeClient, eventually, http_get, live_server, run, silence, tone
 from openai import APIStatusError, AsyncOpenAI
 from test_shutdown import start_server
 from test_webrtc import a_call_that_never_connects, base_url
@@ -463,3 +463,33 @@ def test_an_answer_still_plays_to_a_caller_beside_a_vanished_one() -> None:
                 await gone.close()
 
     run(scenario())
+
+
+def test_a_task_that_aiortc_left_behind_fails_as_a_call_not_as_the_loop(caplog: pytest.LogCaptureFixture) -> None:
+    """aiortc starts some of a call's work in tasks it never awaits; one failing after its call closed is that
+    call's warning, counted, and not asyncio's "Task exception was never retrieved" (the fuzzer's finding:
+    ``RTCPeerConnection.__connect`` meeting a closed connection). Any other task's failure is still reported."""
+    import gc
+
+    from aiortc import RTCPeerConnection
+
+    async def own_code_fails() -> None:
+        raise RuntimeError("a task of our own")
+
+    async def scenario() -> None:
+        async with live_server() as server:
+            pc = RTCPeerConnection()
+            asyncio.ensure_future(pc.createAnswer())  # aiortc's own code, failing: no offer to answer
+            asyncio.ensure_future(own_code_fails())
+            await asyncio.sleep(0.05)
+            gc.collect()  # the tasks, unreferenced, report their exceptions as they are collected
+            await asyncio.sleep(0.05)
+            await pc.close()
+            _, metrics = await http_get(server, "/metrics")
+            assert 's2s_errors_total{code="webrtc_task_failed"} 1' in metrics
+
+    with caplog.at_level("WARNING"):
+        run(scenario())
+    never_retrieved = [r.getMessage() for r in caplog.records if "never retrieved" in r.getMessage()]
+    assert len(never_retrieved) == 1 and "own_code_fails" in never_retrieved[0], never_retrieved
+    assert any("WebRTC call's own task" in r.getMessage() and r.levelname == "WARNING" for r in caplog.records)

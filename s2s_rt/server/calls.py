@@ -13,13 +13,18 @@ import email.parser
 import email.policy
 import json
 import logging
+import os
 from http import HTTPStatus
 from typing import Any
+
+import aioice
+import aiortc
 
 from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
 
 from s2s_rt.config import Config, port_range
+from s2s_rt.metrics import Metrics
 from s2s_rt.protocol.errors import ProtocolError
 from s2s_rt.protocol.server_events import BETA, GA, new_id
 from s2s_rt.server.connection import Connections, Refusal
@@ -116,6 +121,42 @@ def check_offer(sdp: str) -> str:
     return sdp
 
 
+#: Where the WebRTC libraries' own code lies: a task running it belongs to some call's peer connection.
+_LIBRARIES = tuple(os.path.dirname(module.__file__ or "") + os.sep for module in (aiortc, aioice))
+
+
+def contain_library_tasks(metrics: Metrics) -> None:
+    """Log a failure of a task that aiortc or aioice started and never awaits as a call's failure, not the loop's.
+
+    aiortc starts some of a peer connection's work with ``ensure_future`` and
+    keeps no handle to it (connecting the transports, sending on SCTP).
+    When a call is closed while such a task is between two steps, the task
+    fails ("'NoneType' object has no attribute 'transport'", "Cannot send
+    data, not connected") and asyncio reports an exception never retrieved,
+    as if the process had lost track of a task. It has not: the call the
+    task served has ended or fails its consent checks and ends within
+    seconds, which ends its session and frees its slot. Such a failure is
+    logged as a warning and counted (``webrtc_task_failed``); any other
+    task's goes to the handler there was before.
+    """
+    loop = asyncio.get_running_loop()
+    before = loop.get_exception_handler()
+
+    def handle(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        future, exc = context.get("future"), context.get("exception")
+        coro = future.get_coro() if isinstance(future, asyncio.Task) else None
+        where = getattr(getattr(coro, "cr_code", None), "co_filename", "")
+        if isinstance(exc, Exception) and where.startswith(_LIBRARIES):
+            metrics.errors.inc(code="webrtc_task_failed")
+            log.warning("a WebRTC call's own task %s failed: %r", getattr(coro, "__qualname__", coro), exc)
+        elif before is not None:
+            before(loop, context)
+        else:
+            loop.default_exception_handler(context)
+
+    loop.set_exception_handler(handle)
+
+
 class Calls:
     """Every WebRTC call of the server, from its offer to its hangup.
 
@@ -128,6 +169,7 @@ class Calls:
         self.connections = connections
         self.configuration = ice_configuration(config.ice_servers)
         check_consent_often()
+        contain_library_tasks(connections.metrics)
         self.calls: dict[str, Call] = {}
         #: Each call's serving task, until its session has ended and its peer connection closed.
         self.tasks: set[asyncio.Task[None]] = set()
