@@ -561,6 +561,7 @@ def test_a_paused_answer_lets_an_answer_waiting_for_its_first_words_go(tiny_llm:
     """Another session's answer that has not spoken yet does not wait for this one's speech."""
     firsts: dict[str, float] = {}
     paused: list[tuple[list[tuple[float, str]], float]] = []
+    held_out = tiny_llm.turns.held_out
     thread = threading.Thread(target=lambda: paused.append(_paused(tiny_llm, spoken_after_s=None, urgent=True)))
     thread.start()
     deadline = time.monotonic() + 30
@@ -572,9 +573,14 @@ def test_a_paused_answer_lets_an_answer_waiting_for_its_first_words_go(tiny_llm:
     asked = time.monotonic()
     firsts["other"], _ = _answered_unheard(tiny_llm)
     thread.join(timeout=60)
-    ((_, cut_at),) = paused
+    ((arrivals, cut_at),) = paused
+    went_on = next(t for t, _ in arrivals if t > cut_at)
     assert cut_at < asked < cut_at + HOLD_S / 2, (cut_at, asked)  # asked while the first answer was paused
-    assert firsts["other"] - asked < HOLD_S / 2, firsts["other"] - asked
+    # The pause ended when the other answer came (it did not run its course), and the other's first words came
+    # before the paused answer went on: they waited for neither the pause nor the rest of the paused answer.
+    # (Not a bound in seconds: how long the other's first words take depends on the machine.)
+    assert tiny_llm.turns.held_out == held_out
+    assert firsts["other"] < went_on, (firsts["other"] - asked, went_on - asked)
 
 
 # --- the date, only when asked ------------------------------------------------------------------
