@@ -316,26 +316,34 @@ def _conversation_turns(messages: Sequence[ChatMessage]) -> list[tuple[str, str]
     """The turns (role, text) of the conversation after the system message, results shown as words.
 
     A result that names its call follows the last user turn before that
-    call, as ``({name} says: …)``, and the call is left out; a conversation
-    with no user turn before it gets one. Other results (consecutive ones
-    form one user turn) keep Qwen2.5's ``<tool_response>`` blocks.
+    call, as ``({name} says: …)``, and the call is left out: the user may
+    have spoken again before the results came back, and a result shown under
+    the later words answers the wrong request. A result whose call is not in
+    the conversation, or came before any user turn, follows the last user
+    turn before the result; with no user turn before it, it gets one. Other results (consecutive ones form
+    one user turn) keep Qwen2.5's ``<tool_response>`` blocks.
     """
     answered_ids = {m.answers.call_id for m in messages if m.answers is not None and m.answers.call_id is not None}
     turns: list[tuple[str, str]] = []
-    request: int | None = None  # the user turn the next results follow
+    request: int | None = None  # the last user turn so far
+    asked_in: dict[str | None, int | None] = {}  # the user turn before each answered call, by call id
     i = 0
     while i < len(messages):
         message = messages[i]
         i += 1
         if message.call is not None and message.call.call_id in answered_ids:
+            asked_in[message.call.call_id] = request
             continue  # shown with its result
         if message.role == "tool" and message.answers is not None:
             said = f"({message.answers.name} says: {result_words(message.content)})"
-            if request is None:
+            under = asked_in.get(message.answers.call_id)
+            if under is None:
+                under = request
+            if under is None:
                 turns.append(("user", said))
                 request = len(turns) - 1
             else:
-                turns[request] = ("user", f"{turns[request][1]}\n\n{said}")
+                turns[under] = ("user", f"{turns[under][1]}\n\n{said}")
             continue
         if message.role == "tool":
             results = [message.content]
