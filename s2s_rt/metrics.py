@@ -131,7 +131,8 @@ class Metrics:
         self.tool_calls = Counter(
             "s2s_tool_calls_total",
             "Function calls the model made, by outcome: sent to the client, invalid (retried or told),"
-            " or repeated (the same call as one already answered: not sent, answered in words instead).",
+            " or repeated (the same call as one already answered, not a retry after an error result: not sent,"
+            " answered in words instead).",
         )
         self.llm_prefixes = Gauge(
             "s2s_llm_engine",

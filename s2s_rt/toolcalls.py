@@ -190,6 +190,39 @@ def schema_errors(value: Any, schema: dict[str, Any], path: str = "arguments") -
     return errors
 
 
+#: Plain-text results that read as a failure: they begin with "error", "exception" or "failed"
+#: ("Error: service unavailable", "ERROR 503", "Failed to reach the weather service"), or say that an
+#: error occurred (openai-agents' default: "An error occurred while running the tool. Please try
+#: again."; LiveKit Agents' for an unexpected exception: "An internal error occurred").
+_ERROR_TEXT = re.compile(r"\W*(error|exception|failed|failure)\b|\W*an? (internal )?error (has )?occurred\b", re.I)
+#: A JSON object result reports a failure with one of these keys: ``{"error": …}`` (any value but
+#: null, false or empty), ``{"status": "error"}``, ``{"ok": false}``, ``{"success": false}``.
+_ERROR_STATUSES = {"error", "failed", "failure"}
+
+
+def is_error_result(output: str) -> bool:
+    """Whether a function's output reports that the function failed (see :data:`_ERROR_TEXT`, :data:`_ERROR_STATUSES`).
+
+    Only the client knows for sure; the Realtime protocol's
+    ``function_call_output`` has no error flag, so the output is read the
+    way the model reads it. A result that merely mentions an error later
+    on ("no errors found") is not one.
+    """
+    try:
+        value = json.loads(output)
+    except ValueError:
+        value = output
+    if isinstance(value, dict):
+        status = value.get("status")
+        return (
+            bool(value.get("error") or value.get("errors"))
+            or (isinstance(status, str) and status.casefold() in _ERROR_STATUSES)
+            or value.get("ok") is False
+            or value.get("success") is False
+        )
+    return isinstance(value, str) and _ERROR_TEXT.match(value) is not None
+
+
 def chat_tool(tool: dict[str, Any]) -> dict[str, Any]:
     """A Realtime tool (flat: ``{"type": "function", "name": …}``) in chat completions form.
 

@@ -80,3 +80,19 @@ def test_results_of_calls_made_before_any_user_turn_share_one_user_turn() -> Non
         ]
     )
     assert turns == ["user\n(get_weather says: sky: sunny)\n\n(set_alarm says: set: yes)\n", "assistant\n"]
+
+
+WEATHER = {"type": "function", "name": "get_weather", "parameters": {"type": "object"}}
+
+
+def test_a_result_is_answered_without_the_tools_but_a_failed_one_keeps_them_for_a_retry() -> None:
+    tokenizer = CharacterTokenizer()
+    call = FunctionCall("get_weather", '{"city": "Paris"}', "call_weather")
+
+    def system_turn(output: str) -> str:
+        asked = [ChatMessage("user", "What is the weather in Paris?"), call_message(call)]
+        chat = ChatML(tokenizer).encode([*asked, ChatMessage("tool", output, answers=call)], [WEATHER])
+        return tokenizer.decode(chat.turns[0])
+
+    assert "# Tools" not in system_turn('{"sky": "sunny"}')
+    assert "# Tools" in system_turn("Error: service unavailable, call get_weather again")

@@ -17,7 +17,7 @@ from openai import AsyncOpenAI
 
 from s2s_rt.engines.base import Stack
 from s2s_rt.engines.fake import load_fake_stack
-from s2s_rt.toolcalls import parse_call
+from s2s_rt.toolcalls import is_error_result, parse_call
 
 WEATHER = {
     "type": "function",
@@ -143,18 +143,23 @@ def test_invalid_arguments_are_retried_once_then_reported_as_text(engines: Stack
     run(scenario())
 
 
-async def call_and_answer(c: RealtimeClient, words: str, output: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """A user turn that makes a call, the client's result for it, and the response to that result."""
-    done = await c.say_text(words)
-    [call] = done["response"]["output"]
-    assert call["type"] == "function_call"
+async def answer_call(c: RealtimeClient, call: dict[str, Any], output: str) -> dict[str, Any]:
+    """The client's result for ``call``, and the response to it."""
     await c.send(
         "conversation.item.create",
         item={"type": "function_call_output", "call_id": call["call_id"], "output": output},
     )
     await c.until("conversation.item.added")
     await c.send("response.create")
-    return call, await c.until("response.done")
+    return await c.until("response.done")
+
+
+async def call_and_answer(c: RealtimeClient, words: str, output: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A user turn that makes a call, the client's result for it, and the response to that result."""
+    done = await c.say_text(words)
+    [call] = done["response"]["output"]
+    assert call["type"] == "function_call"
+    return call, await answer_call(c, call, output)
 
 
 def test_a_call_made_again_while_answering_its_result_is_not_sent_and_the_result_is_answered(engines: Stack) -> None:
@@ -178,6 +183,57 @@ def test_a_call_made_again_while_answering_its_result_is_not_sent_and_the_result
                 assert 's2s_tool_calls_total{outcome="sent"} 1' in metrics
 
     run(scenario())
+
+
+def test_a_call_made_again_after_an_error_result_is_a_retry_sent_to_the_client_at_most_twice(engines: Stack) -> None:
+    """The client's function failed and its result says so: the same call again is a retry, not a loop."""
+    failed = "Error: service unavailable, call get_weather again"
+
+    async def scenario() -> None:
+        async with live_server(engines) as server:
+            async with RealtimeClient.connect(server) as c:
+                await c.send("session.update", session={"tools": [WEATHER]})
+                first, answer = await call_and_answer(c, "please get_weather Paris", failed)
+                ids = [first["call_id"]]
+                for _ in range(2):
+                    [retry] = answer["response"]["output"]
+                    assert retry["type"] == "function_call" and retry["name"] == "get_weather"
+                    assert json.loads(retry["arguments"]) == json.loads(first["arguments"])
+                    assert retry["call_id"] not in ids
+                    ids.append(retry["call_id"])
+                    answer = await answer_call(c, retry, failed)
+                # Failed three times: the model's third repeat is not sent, the failure is answered in words.
+                [message] = answer["response"]["output"]
+                assert message["type"] == "message"
+                assert message["content"][0]["transcript"] == f"You said: the result is {failed}."
+                status, metrics = await http_get(server, "/metrics")
+                assert status == 200
+                assert 's2s_tool_calls_total{outcome="sent"} 3' in metrics
+                assert 's2s_tool_calls_total{outcome="repeated"} 1' in metrics
+
+    run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("output", "failed"),
+    [
+        ("Error: service unavailable, call get_weather again", True),
+        ("ERROR 503", True),
+        ("An error occurred while running the tool. Please try again.", True),  # openai-agents' default
+        ("An internal error occurred", True),  # LiveKit Agents', for an unexpected exception
+        ("Failed to reach the weather service", True),
+        ('{"error": "city not found"}', True),
+        ('{"status": "error", "message": "timeout"}', True),
+        ('{"ok": false}', True),
+        ('"Error: quota exceeded"', True),
+        ('{"temp": 21}', False),
+        ('{"error": null, "temp": 21}', False),
+        ("sunny, no errors reported", False),
+        ("Errand booked for 5 pm", False),
+    ],
+)
+def test_a_result_is_an_error_when_it_begins_by_saying_so_or_its_json_has_an_error(output: str, failed: bool) -> None:
+    assert is_error_result(output) is failed
 
 
 def test_the_same_request_in_a_later_turn_is_a_new_call(engines: Stack) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 from s2s_rt.engines.base import ChatMessage
 from s2s_rt.engines.tokenizing import Tokenizer
 from s2s_rt.models.errors import ModelError
-from s2s_rt.toolcalls import OPEN, chat_tool
+from s2s_rt.toolcalls import OPEN, chat_tool, is_error_result
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,9 +122,12 @@ class ChatFormat(abc.ABC):
         Qwen2.5's ``<tool_response>`` turn after the call, with the tools in
         view, a result was answered in words 0 times in 7 (5 called the
         same function again, 2 read the JSON back); as words after the
-        request, without the tools, 7 in 7. A result whose call is not in
-        the conversation, and a call still waiting for its result, keep
-        Qwen2.5's markup.
+        request, without the tools, 7 in 7. Results of which one reports a
+        failure (:func:`~s2s_rt.toolcalls.is_error_result`) keep the tools
+        in view: the model may call again, and the server sends a retry
+        (:func:`~s2s_rt.protocol.prompt.repeats_answered`). A result whose
+        call is not in the conversation, and a call still waiting for its
+        result, keep Qwen2.5's markup.
 
         Args:
             messages: the conversation, oldest first.
@@ -137,7 +140,8 @@ class ChatFormat(abc.ABC):
             system, messages = messages[0].content, messages[1:]
         elif self.default_system is not None:
             system = self.default_system
-        answering_results = bool(messages) and messages[-1].answers is not None
+        results = _last_results(messages)
+        answering_results = bool(results) and not any(is_error_result(m.content) for m in results)
         if tools and (require_tool or not answering_results):
             system = (system or "") + tools_section(tools)
         else:
@@ -356,6 +360,16 @@ def _conversation_turns(messages: Sequence[ChatMessage]) -> list[tuple[str, str]
         if message.role == "user":
             request = len(turns) - 1
     return turns
+
+
+def _last_results(messages: Sequence[ChatMessage]) -> list[ChatMessage]:
+    """The function results that end the conversation: none unless the last message is the result of a named call."""
+    if not messages or messages[-1].answers is None:
+        return []
+    n = len(messages)
+    while n and messages[n - 1].role == "tool":
+        n -= 1
+    return list(messages[n:])
 
 
 def result_words(output: str) -> str:

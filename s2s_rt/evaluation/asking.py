@@ -19,7 +19,7 @@ from typing import Any
 from s2s_rt.engines.base import LLM, TTS, ChatMessage, FunctionCall, LLMRequest, LLMUsage
 from s2s_rt.pipeline.clauses import ClauseSplitter
 from s2s_rt.protocol.config import DEFAULT_MAX_OUTPUT_TOKENS
-from s2s_rt.protocol.prompt import answered_calls, call_message
+from s2s_rt.protocol.prompt import call_message, repeats_answered
 from s2s_rt.spoken_answer import with_answer_context
 from s2s_rt.toolcalls import Call, Text, ToolCallError, ToolCallFilter, parse_call
 
@@ -146,8 +146,7 @@ class Assistant:
             messages += [call_message(call), ChatMessage("tool", output, answers=call)]
         answer = self._ask_tools(messages, tools)
         made = [FunctionCall(name, json.dumps(arguments)) for name, arguments in answer.calls]
-        answered = answered_calls(messages)
-        repeated = sum(any(c.same_as(done) for done in answered) for c in made)
+        repeated = sum(repeats_answered(c, messages) for c in made)
         if repeated and repeated == len(made) and not answer.text:
             answer = self._ask_tools(messages, ())
         return RoundTrip(first, answer, repeated)

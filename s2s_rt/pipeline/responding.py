@@ -28,7 +28,7 @@ from s2s_rt.pipeline.clauses import ClauseSplitter
 from s2s_rt.pipeline.context import SessionContext
 from s2s_rt.pipeline.stage import StageContext, serve
 from s2s_rt.pipeline.work import CallOut, ResponseEnd, ResponseRequest, SessionEnd, Speak, TurnTiming, run_scoped
-from s2s_rt.protocol.prompt import answered_calls
+from s2s_rt.protocol.prompt import repeats_answered
 from s2s_rt.spoken_answer import with_answer_context
 from s2s_rt.toolcalls import Call as CallPart
 from s2s_rt.toolcalls import Text as TextPart
@@ -113,7 +113,6 @@ class Responder:
         spoke = False
         self._words_out = False
         made = stage.outbox.timings.get(r.id)  # when its first clause's speech was made
-        answered = answered_calls(asked.messages)
         told_invalid = False
         for attempt in range(3):
             calls: list[str] = []
@@ -187,7 +186,7 @@ class Responder:
                     stage.metrics.tool_calls.inc(outcome="invalid")
                     problems.append((raw, str(exc)))
                     continue
-                if any(FunctionCall(name, arguments).same_as(done) for done in answered):
+                if repeats_answered(FunctionCall(name, arguments), asked.messages):
                     # Its result is in the conversation already: a client would run it again, and again.
                     stage.metrics.tool_calls.inc(outcome="repeated")
                     log.info("slot %d: the model called %s again with the same arguments; not sent", stage.index, name)

@@ -9,7 +9,7 @@ from typing import Any
 from s2s_rt.engines.base import ChatMessage, FunctionCall
 from s2s_rt.protocol import server_events as se
 from s2s_rt.protocol.conversation import Conversation
-from s2s_rt.toolcalls import frame
+from s2s_rt.toolcalls import frame, is_error_result
 
 
 def build_prompt(instructions: str, items: list[se.Item], conversation: Conversation) -> list[ChatMessage]:
@@ -47,16 +47,26 @@ def call_message(call: FunctionCall) -> ChatMessage:
     return ChatMessage("assistant", frame(text), call=call)
 
 
-def answered_calls(messages: Sequence[ChatMessage]) -> list[FunctionCall]:
-    """The calls whose results came back since the user last spoke: made again, they are not sent.
+#: How many times a call is sent again while every result it got is an error (:func:`is_error_result`).
+RETRIES_AFTER_ERROR = 2
+
+
+def repeats_answered(call: FunctionCall, messages: Sequence[ChatMessage]) -> bool:
+    """Whether ``call`` repeats one whose results came back since the user last spoke: made again, it is not sent.
 
     A call the model makes again with the same arguments while answering
     its result would be run again by the client, and answered again, until
     the client's turn limit. The same question in a later turn is a new
-    call.
+    call. A repeat of a call whose every result was an error
+    (:func:`is_error_result`) is a retry, as the error often asks for
+    ("… call get_weather again"): it is sent, at most
+    :data:`RETRIES_AFTER_ERROR` times.
     """
     since = max((n for n, m in enumerate(messages) if m.role == "user"), default=-1)
-    return [m.answers for m in messages[since + 1 :] if m.answers is not None]
+    results = [m.content for m in messages[since + 1 :] if m.answers is not None and call.same_as(m.answers)]
+    if not results:
+        return False
+    return len(results) > RETRIES_AFTER_ERROR or not all(is_error_result(output) for output in results)
 
 
 def _call_of(item: se.Item) -> FunctionCall:
