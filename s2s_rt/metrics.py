@@ -131,6 +131,7 @@ class Metrics:
         self.tool_calls = Counter(
             "s2s_tool_calls_total",
             "Function calls the model made, by outcome: sent to the client, invalid (retried or told),"
+            " invented (a function not offered: not sent, the answer asked again in words),"
             " or repeated (the same call as one already answered, not a retry after an error result: not sent,"
             " answered in words instead).",
         )

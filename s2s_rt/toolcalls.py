@@ -91,6 +91,10 @@ class ToolCallError(ValueError):
     """A call the model made that cannot be sent: says what is wrong with it."""
 
 
+class UnknownFunction(ToolCallError):
+    """A call to a function that is not offered: one the model made up."""
+
+
 def parse_call(raw: str, tools: list[dict[str, Any]]) -> tuple[str, str]:
     """Check one call against the tools offered.
 
@@ -98,8 +102,9 @@ def parse_call(raw: str, tools: list[dict[str, Any]]) -> tuple[str, str]:
         The function's name and its arguments as a JSON object string.
 
     Raises:
-        ToolCallError: not JSON, an unknown function, or arguments that do
-            not match the function's parameter schema.
+        UnknownFunction: a function not among ``tools``.
+        ToolCallError: not JSON, or arguments that do not match the
+            function's parameter schema.
     """
     try:
         call = json.loads(raw)
@@ -110,7 +115,7 @@ def parse_call(raw: str, tools: list[dict[str, Any]]) -> tuple[str, str]:
     name = call["name"]
     tool = next((t for t in tools if t.get("name") == name), None)
     if tool is None:
-        raise ToolCallError(f"there is no function named {name!r}")
+        raise UnknownFunction(f"there is no function named {name!r}")
     args = call.get("arguments", {})
     if isinstance(args, str):
         try:

@@ -143,6 +143,31 @@ def test_invalid_arguments_are_retried_once_then_reported_as_text(engines: Stack
     run(scenario())
 
 
+def test_a_call_to_a_function_not_offered_is_never_read_as_an_apology_the_answer_is_asked_in_words(
+    engines: Stack,
+) -> None:
+    """Greeted with functions in view, a small model calls one it made up: the user hears its words instead."""
+
+    async def scenario() -> None:
+        async with live_server(engines) as server:
+            async with RealtimeClient.connect(server) as c:
+                await c.send("session.update", session={"tools": [WEATHER, REMINDER]})
+                done = await c.say_text("hello there [[invent-call]]")
+                [message] = done["response"]["output"]
+                assert done["response"]["status"] == "completed"
+                assert message["type"] == "message"
+                assert message["content"][0]["transcript"] == "You said: hello there [[invent-call]]."
+                assert c.of_type("response.output_audio.delta")
+                assert [e["item"]["type"] for e in c.of_type("response.output_item.added")] == ["message"]
+                assert not c.of_type("response.function_call_arguments.done")
+                assert not any("Sorry" in json.dumps(e) or "hello'" in json.dumps(e) for e in c.events)
+                status, metrics = await http_get(server, "/metrics")
+                assert status == 200
+                assert 's2s_tool_calls_total{outcome="invented"} 1' in metrics
+
+    run(scenario())
+
+
 async def answer_call(c: RealtimeClient, call: dict[str, Any], output: str) -> dict[str, Any]:
     """The client's result for ``call``, and the response to it."""
     await c.send(

@@ -164,9 +164,13 @@ def fake_tool_call(
     tool's name for strings). ``[[bad-args]]`` in the user's words leaves
     them out on the first try; ``[[always-bad]]`` on every try.
     ``[[repeat-call]]`` makes the same call again when its result comes
-    back, as small models do with the functions in view.
+    back, as small models do with the functions in view. ``[[invent-call]]``
+    calls ``hello``, a function no one offered, as small models do when
+    greeted with functions in view.
     """
     last = messages[-1] if messages else None
+    if "[[invent-call]]" in user:
+        return frame(json.dumps({"name": "hello", "arguments": {}}))
     if last is not None and last.role == "tool" and not last.content.startswith("Error:"):
         if "[[repeat-call]]" not in user:
             return None  # a result came back: answer in words

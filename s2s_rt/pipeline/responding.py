@@ -32,7 +32,7 @@ from s2s_rt.protocol.prompt import repeats_answered
 from s2s_rt.spoken_answer import with_answer_context
 from s2s_rt.toolcalls import Call as CallPart
 from s2s_rt.toolcalls import Text as TextPart
-from s2s_rt.toolcalls import ToolCallError, ToolCallFilter, frame, offered_tools, parse_call
+from s2s_rt.toolcalls import ToolCallError, ToolCallFilter, UnknownFunction, frame, offered_tools, parse_call
 
 if TYPE_CHECKING:
     from s2s_rt.metrics import Metrics
@@ -178,10 +178,16 @@ class Responder:
                 stage.metrics.dropped_stale.inc(stage="llm")
                 return
             problems = []
-            sent = repeated = 0
+            sent = repeated = invented = 0
             for raw in calls:
                 try:
                     name, arguments = parse_call(raw, tools)
+                except UnknownFunction:
+                    # Made up (small models greeted with functions in view call "hello"): never sent, never
+                    # apologised for; the user hears the model's words instead.
+                    stage.metrics.tool_calls.inc(outcome="invented")
+                    invented += 1
+                    continue
                 except ToolCallError as exc:
                     stage.metrics.tool_calls.inc(outcome="invalid")
                     problems.append((raw, str(exc)))
@@ -195,13 +201,14 @@ class Responder:
                 stage.metrics.tool_calls.inc(outcome="sent")
                 await self.to_tts.put(CallOut(scope, r, name, arguments))
                 sent += 1
-            if repeated and not sent and not spoke and asked.tools:
-                # Ask for the answer again with the functions out of view: the result is what it has to say.
+            if (repeated or invented) and not problems and not sent and not spoke and asked.tools:
+                # Ask for the answer again with the functions out of view: a result it has already, or a
+                # function that does not exist, is answered in words.
                 asked = dataclasses.replace(asked, tools=(), require_tool=False)
                 continue
             if not problems:
                 break
-            if not told_invalid and not spoke and len(problems) == len(calls):
+            if not told_invalid and not spoke and not sent and not repeated:
                 # One retry, telling the model what was wrong with its call.
                 told_invalid = True
                 raw, why = problems[0]
