@@ -58,8 +58,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: ``semantic_vad``: what the LLM reads to judge whether the user has finished (besides their words).
-JUDGE_SYSTEM = "You are a helpful voice assistant."
+#: ``semantic_vad``: what the LLM reads to judge whether the user has finished (besides their words). Told that
+#: the words are speech transcribed as it is said, the model separated 24 questions cut mid-sentence from the
+#: same 24 whole a little better (AUC 0.935 against 0.925, six voices unlike Piper's) and scored whole ones
+#: higher (median 0.27 against 0.14); asked outright whether the speaker had finished, it could not (0.62).
+JUDGE_SYSTEM = "You are a helpful voice assistant. The user's words were transcribed from speech as they spoke."
 JUDGED_ANSWER_CHARS = 200
 
 #: A transcription session's words are transcribed this often while the user speaks (live captions).
