@@ -17,6 +17,7 @@ from openai import AsyncOpenAI
 
 from s2s_rt.engines.base import Stack
 from s2s_rt.engines.fake import load_fake_stack
+from s2s_rt.pipeline.responding import NO_ANSWER, NUDGE
 from s2s_rt.toolcalls import is_error_result, parse_call
 
 WEATHER = {
@@ -164,6 +165,41 @@ def test_a_call_to_a_function_not_offered_is_never_read_as_an_apology_the_answer
                 status, metrics = await http_get(server, "/metrics")
                 assert status == 200
                 assert 's2s_tool_calls_total{outcome="invented"} 1' in metrics
+
+    run(scenario())
+
+
+def test_an_answer_with_nothing_in_it_is_asked_again_without_the_functions(engines: Stack) -> None:
+    async def scenario() -> None:
+        async with live_server(engines) as server:
+            async with RealtimeClient.connect(server) as c:
+                await c.send("session.update", session={"tools": [WEATHER, REMINDER]})
+                done = await c.say_text("what should I wear in Paris [[mute-with-tools]]")
+                assert done["response"]["status"] == "completed"
+                [message] = done["response"]["output"]
+                assert message["type"] == "message"
+                # The fake model says back what it was asked: the user's words, and the nudge that followed them.
+                said = message["content"][0]["transcript"]
+                assert said == f"You said: what should I wear in Paris [[mute-with-tools]] {NUDGE}."
+                assert not c.of_type("response.function_call_arguments.done")
+                assert c.of_type("response.output_audio.delta")
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("tools", [[WEATHER], []], ids=["tools-offered", "no-tools"])
+def test_an_answer_still_empty_when_asked_again_ends_in_words_that_say_so(tools: list[dict[str, Any]]) -> None:
+    async def scenario() -> None:
+        async with live_server() as server:
+            async with RealtimeClient.connect(server) as c:
+                await c.send("session.update", session={"tools": tools})
+                spoken = await c.say_text("what should I wear in Paris [[mute]]")
+                [message] = spoken["response"]["output"]
+                assert message["content"][0]["transcript"] == NO_ANSWER
+                assert c.of_type("response.output_audio.delta")
+                written = await c.say_text("and in Rome [[mute]]", output_modalities=["text"])
+                [message] = written["response"]["output"]
+                assert message["content"][0]["text"] == NO_ANSWER
 
     run(scenario())
 

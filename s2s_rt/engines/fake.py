@@ -14,7 +14,9 @@ exactly:
   per token without checking for cancellation, ``[[fail]]`` raises mid-stream.
   Offered tools, it calls the one whose name the user says (see
   :func:`fake_tool_call`), and answers ``You said: the result is …`` once a
-  function's result comes back. The call comes in one piece, or, with
+  function's result comes back. ``[[mute]]`` makes it answer nothing at
+  all, ``[[mute-with-tools]]`` nothing while it is offered tools (as a
+  small model may end its turn at once). The call comes in one piece, or, with
   ``stream_tool_calls``, token by token as a real model streams it
   (:func:`tool_call_tokens`: ``<``, ``tool_call``, ``>``, a newline, ``{``, ``"``, …).
 - :class:`ToneTTS` speaks each word as a 100 ms tone whose pitch depends on
@@ -124,6 +126,8 @@ class EchoLLM:
                 block_s = int(arg or 0) / 1000
             else:
                 fail = True
+        if "[[mute]]" in user or ("[[mute-with-tools]]" in user and tools):
+            return
         if tools:
             call = fake_tool_call(messages, user, tools, request.require_tool)
             if call is not None:

@@ -42,6 +42,10 @@ log = logging.getLogger(__name__)
 
 #: How long reading a conversation ahead waits for the LLM to be free before giving up.
 PRIME_WAIT_S = 20.0
+#: Follows the user's last words when an answer with nothing in it is asked again (:func:`asked_for_words`).
+NUDGE = "(Answer in words.)"
+#: The answer when the model, asked twice, said nothing and made no call: a response never ends empty.
+NO_ANSWER = "Sorry, I have no answer to that."
 
 
 class Responder:
@@ -113,8 +117,9 @@ class Responder:
         spoke = False
         self._words_out = False
         made = stage.outbox.timings.get(r.id)  # when its first clause's speech was made
-        told_invalid = False
-        for attempt in range(3):
+        told_invalid = asked_again = False
+        sent_any = False  # a call went to the client
+        for attempt in range(4):
             calls: list[str] = []
             splitter = ToolCallFilter()
             try:
@@ -201,13 +206,20 @@ class Responder:
                 stage.metrics.tool_calls.inc(outcome="sent")
                 await self.to_tts.put(CallOut(scope, r, name, arguments))
                 sent += 1
+            sent_any |= sent > 0
             if (repeated or invented) and not problems and not sent and not spoke and asked.tools:
                 # Ask for the answer again with the functions out of view: a result it has already, or a
                 # function that does not exist, is answered in words.
                 asked = dataclasses.replace(asked, tools=(), require_tool=False)
                 continue
             if not problems:
-                break
+                if spoke or sent_any or asked_again:
+                    break
+                # Nothing usable (no words, no call): asked once more, in words.
+                log.info("slot %d: the answer had nothing in it; asked again", stage.index)
+                asked_again = True
+                asked = asked_for_words(asked)
+                continue
             if not told_invalid and not spoke and not sent and not repeated:
                 # One retry, telling the model what was wrong with its call.
                 told_invalid = True
@@ -222,6 +234,9 @@ class Responder:
             why = problems[0][1]
             spoke |= await self._say(r, TextPart(f"Sorry, I could not make that call: {why}."), clauses, calls)
             break
+        if not spoke and not sent_any:
+            log.warning("slot %d: the answer had nothing in it twice; said that there is no answer", stage.index)
+            await self._say(r, TextPart(NO_ANSWER), clauses, calls)
         rest = clauses.flush()
         if rest and r.audio:
             timing = stage.outbox.timings.get(r.id)
@@ -304,7 +319,25 @@ class Responder:
                 spoken = ahead.first_speech(clause) if ahead is not None else None
                 await self.to_tts.put(Speak(r.scope, r, clause, spoken))
                 self._words_out = True
-        return bool(part.text.strip())
+        return any(char.isalnum() for char in part.text)  # words, not only spaces or punctuation
+
+
+def asked_for_words(asked: LLMRequest) -> LLMRequest:
+    """``asked`` again for an answer that had nothing in it: no functions in view, :data:`NUDGE` after the user's words.
+
+    A small model offered functions sometimes ends its turn with no call
+    and no words (issue 38: 2 of 14 everyday tool requests); asked once
+    more without them, and told to answer in words, it gets a second chance
+    before the server says :data:`NO_ANSWER`.
+    """
+    messages = list(asked.messages)
+    last_user = next((n for n in range(len(messages) - 1, -1, -1) if messages[n].role == "user"), None)
+    if last_user is None:
+        messages.append(ChatMessage("user", NUDGE))
+    else:
+        said = messages[last_user]
+        messages[last_user] = dataclasses.replace(said, content=f"{said.content}\n\n{NUDGE}")
+    return dataclasses.replace(asked, messages=tuple(messages), tools=(), require_tool=False)
 
 
 async def _timed(pieces: AsyncGenerator[str, None], metrics: Metrics) -> AsyncGenerator[str, None]:
