@@ -78,9 +78,7 @@ class SemanticTurnEnd:
     min_silence_ms: int = 200
     unknown_ms: int = 1200
     speculate_ms: int = 100
-    thresholds: dict[str, float] = field(
-        default_factory=lambda: {"high": 0.08, "medium": 0.2, "auto": 0.2, "low": 0.4}
-    )
+    thresholds: dict[str, float] = field(default_factory=lambda: {"high": 0.08, "medium": 0.2, "auto": 0.2, "low": 0.4})
     decades: float = 1.5
 
     def wait_ms(self, probability: float | None, eagerness: str) -> float:

@@ -348,7 +348,9 @@ def test_semantic_vad_ends_a_finished_question_sooner_than_an_unfinished_one() -
 PAUSED_MID_SENTENCE = (("Wake me up at six", "thirty tomorrow."), ("The meeting is at half past", "three, right?"))
 
 
-@requires(not missing_programs((Voice("espeak-ng", "en-gb"),)), "espeak-ng is not installed (apt-get install espeak-ng)")
+@requires(
+    not missing_programs((Voice("espeak-ng", "en-gb"),)), "espeak-ng is not installed (apt-get install espeak-ng)"
+)
 def test_semantic_vad_waits_through_a_pause_after_words_that_could_end_a_sentence() -> None:
     """espeak-ng's British voice pauses 0.9 s mid-sentence; the turn must not end in the pause.
 

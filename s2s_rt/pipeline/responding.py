@@ -236,7 +236,9 @@ class Responder:
                 # The user never hears the server's complaint about a call ("... is not valid JSON"): on CI's
                 # slow AMD EPYC the default model answered a weather result with a broken call twice, and the
                 # user heard "Sorry, I could not make that call: the call is not valid JSON (Expecting ...)".
-                log.info("slot %d: the model's call was still invalid (%s); asked in words", stage.index, problems[0][1])
+                log.info(
+                    "slot %d: the model's call was still invalid (%s); asked in words", stage.index, problems[0][1]
+                )
                 asked = dataclasses.replace(before_told, tools=(), require_tool=False)
                 continue
             break  # no usable call even in words: said that there is no answer, below

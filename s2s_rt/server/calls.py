@@ -19,7 +19,6 @@ from typing import Any
 
 import aioice
 import aiortc
-
 from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
 
