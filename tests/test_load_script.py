@@ -213,3 +213,27 @@ def test_load_script_hears_the_silence_inside_an_answer(tmp_path: Path) -> None:
     for turn in report["turns"]:
         assert turn["answer_gaps"] >= 1
         assert hold_s - 0.05 <= turn["answer_gap_s"] <= hold_s + 0.25, turn["answer_gap_s"]
+
+
+def test_load_script_sends_slower_than_real_time_and_the_server_decides_the_same(tmp_path: Path) -> None:
+    """``--slower 3``: the same audio, three times slower. The turn ends at the same sample (the fake recogniser
+    says how much it heard), and the wall time from the end of speech to the turn's end is about three times."""
+
+    def talk(slower: str) -> dict[str, Any]:
+        out = tmp_path / f"report-{slower}.json"
+        argv = [sys.executable, str(ROOT / "bin" / "s2s-rt-load"), "--spawn", "--stack", "fake", "--slower", slower]
+        argv += ["--sessions", "1", "--turns", "1", "--json", str(out), "--speech-cache", str(tmp_path / "speech")]
+        # Silence before the question for the prefix padding to take whole at both paces (the pause is wall time).
+        argv += [*QUICK, "--pause-s", "1.5"]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert done.returncode == 0, done.stdout + done.stderr
+        report: dict[str, Any] = json.loads(out.read_text())
+        assert report["settings"]["slower"] == float(slower)
+        [turn] = report["turns"]
+        return turn
+
+    real, slow = talk("1"), talk("3")
+    # "heard 1340 ms crc ...": as much audio heard (where the question falls among the chunks can differ).
+    assert real["transcript"].split(" crc ")[0] == slow["transcript"].split(" crc ")[0], (real, slow)
+    waited = [t["intervals_s"]["end of speech → speech_stopped"] for t in (real, slow)]
+    assert 2.0 < waited[1] / waited[0] < 4.0, waited

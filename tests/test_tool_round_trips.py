@@ -99,7 +99,7 @@ def _said(text: str) -> CallResult:
 
 
 def test_a_call_identical_to_one_already_answered_is_not_sent_again() -> None:
-    """Made to call once more (``tool_choice: required``), the model repeats the call it has the result of."""
+    """Made to call once more (``tool_choice: required``), the model is answered in words that use the result."""
 
     async def scenario() -> None:
         async with default_server() as server, RealtimeClient.connect(server) as c:
@@ -110,8 +110,11 @@ def test_a_call_identical_to_one_already_answered_is_not_sent_again() -> None:
             assert [o["type"] for o in answer["response"]["output"]] == ["message"]
             assert request.answer_uses_result(_said(answer_text(answer))), answer_text(answer)
             assert len(c.of_type("response.function_call_arguments.done")) == 1
+            # Whether the model repeated its call (not sent) or wrote a broken one (asked again in words)
+            # depends on the machine's arithmetic (on CI's AMD EPYC it wrote two broken ones); either way one
+            # call only ever reached the client. The repeat itself is tested exactly in test_function_calls.
             _, metrics = await http_get(server, "/metrics")
-            assert 's2s_tool_calls_total{outcome="repeated"} 1' in metrics
+            assert 's2s_tool_calls_total{outcome="sent"} 1' in metrics
 
     run(scenario(), timeout=4 * ANSWER_S)
 

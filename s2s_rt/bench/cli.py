@@ -53,6 +53,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     load.add_argument("--prefix-padding-ms", type=int, default=300)
     load.add_argument("--threshold", type=float, default=0.5)
     load.add_argument("--chunk-ms", type=int, default=20, help="audio per append")
+    load.add_argument(
+        "--slower",
+        type=float,
+        default=1.0,
+        help="send the audio this many times slower than real time: the server's decisions (turn ends, transcripts)"
+        " as a machine this much faster makes them, on a slow one; its latencies are then not a user's",
+    )
     load.add_argument("--pause-s", type=float, default=1.0, help="silence between an answer and the next question")
     load.add_argument("--ramp-s", type=float, default=2.0, help="sessions start at random moments within this")
     load.add_argument(

@@ -48,6 +48,7 @@ def base_report(opts: argparse.Namespace, run: Run, server: ServerHandle, second
             "prefix_padding_ms": opts.prefix_padding_ms,
             "threshold": opts.threshold,
             "chunk_ms": opts.chunk_ms,
+            "slower": opts.slower,
             "speech": opts.speech,
             "pause_s": opts.pause_s,
             "ramp_s": opts.ramp_s,
@@ -112,6 +113,7 @@ def format_report(report: dict[str, Any]) -> str:
         f"server {st['url']} (stack {st['stack'] or '?'}, pool {st['pool_size'] or '?'}),"
         f" {_turn_detection(st)}, {st['chunk_ms']} ms appends, speech: {st['speech']}"
         + (" with a pause mid-sentence" if st.get("paused_speech") else "")
+        + (f", sent {st['slower']:g}x slower than real time" if st.get("slower", 1.0) != 1.0 else "")
     )
     if report["mode"] == "talk":
         c = report["counts"]

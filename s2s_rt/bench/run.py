@@ -52,6 +52,8 @@ class Run:
         self.clips = clips
         chunk_bytes = int(RATE * opts.chunk_ms / 1000) * 2
         self.chunk_s = opts.chunk_ms / 1000
+        #: Wall seconds between two appends (``--slower`` times the audio each carries).
+        self.period_s = self.chunk_s * opts.slower
         self.silence = append_message(bytes(chunk_bytes))
         self.clip_messages = [
             [
@@ -60,7 +62,7 @@ class Run:
             ]
             for c in clips
         ]
-        self.metronome = Metronome(self.chunk_s)
+        self.metronome = Metronome(self.period_s)
         self.ownership = Ownership()
         self.turns: list[Turn] = []
         self.failures: list[dict[str, Any]] = []

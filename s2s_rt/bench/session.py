@@ -301,7 +301,7 @@ class SessionClient:
         except TimeoutError:
             run.fail("lost_events", self.index, "no session.updated")
             return False
-        self.mic = Microphone(ws, run.chunk_s, run.silence)
+        self.mic = Microphone(ws, run.period_s, run.silence)
         run.metronome.add(self.mic)
         return True
 
