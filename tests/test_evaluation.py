@@ -54,12 +54,18 @@ def test_word_error_rate_does_not_count_numbers_written_as_digits() -> None:
     assert one_wrong == pytest.approx(1 / 6)
 
 
-def test_the_function_calling_set_is_ten_round_trips_over_three_tools_and_six_without() -> None:
+def test_the_function_calling_set_is_thirty_two_round_trips_over_four_tools_and_twelve_without() -> None:
     needing = [r for r in REQUESTS if r.function]
-    assert len(needing) == 10 and all(r.result and r.says for r in needing)
-    assert len([r for r in REQUESTS if r.function is None]) == 6
+    assert len(needing) == 32 and all(r.result and r.says for r in needing)
+    assert len([r for r in REQUESTS if r.function is None]) == 12
     assert {r.function for r in needing} == {t["name"] for t in TOOLS}
-    assert {t["name"] for t in TOOLS} == {"get_weather", "set_alarm", "convert_currency"}
+    assert {t["name"] for t in TOOLS} == {"get_weather", "set_alarm", "convert_currency", "get_order_status"}
+
+
+def test_the_first_version_of_the_function_calling_set_comes_first_unchanged() -> None:
+    first = [r for r in REQUESTS if r.issue is None]
+    assert REQUESTS[: len(first)] == tuple(first)
+    assert len([r for r in first if r.function]) == 10 and len([r for r in first if not r.function]) == 6
 
 
 ALARM = ToolRequest("Wake me up at six thirty.", "set_alarm", {"time": "06:30"}, {"ok": True}, (r"six thirty",))

@@ -257,6 +257,7 @@ def _answer_one(args: argparse.Namespace) -> int:
             first, answer = trip.first, trip.answer
             row: dict[str, Any] = {
                 "request": request.text,
+                "issue": request.issue,
                 "expected": request.function,
                 "calls": first.calls,
                 "invalid": first.invalid,
@@ -325,8 +326,8 @@ def _report(hearing: dict[str, Any], results: list[dict[str, Any]]) -> str:
         return "\n".join(lines) + "\n"
     lines += [
         "| preset | typed right | spoken right | first call right | round trip right | repeated calls"
-        " | spurious calls | first token p50 | first audio p50 | RSS |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        " | spurious calls | invented functions | first token p50 | first audio p50 | RSS |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         typed, spoken, calls = r["typed"], r["spoken"], r["calls"]
@@ -338,12 +339,22 @@ def _report(hearing: dict[str, Any], results: list[dict[str, Any]]) -> str:
             return f"{right}/{len(rows)} ({100 * right / len(rows):.0f} %)" if rows else "-"
 
         spurious = sum(bool(c["calls"]) for c in needless)
+        invented = sum("no function named" in why for c in calls for why in c["invalid"])
         lines.append(
             f"| {r['preset']} | {share(typed)} | {share(spoken)} | {share(needing)} |"
             f" {share(needing, 'round_trip_right')} | {sum(c.get('repeated', 0) for c in needing)} |"
-            f" {spurious}/{len(needless)} | {_median_ms([t['first_token_s'] for t in typed])} ms |"
+            f" {spurious}/{len(needless)} | {invented} | {_median_ms([t['first_token_s'] for t in typed])} ms |"
             f" {_median_ms([t['first_audio_s'] for t in typed])} ms | {r['rss_peak_mb']:.0f} MB |"
         )
+    for r in results:
+        first = [c for c in r["calls"] if c["expected"] is not None and c.get("issue") is None]
+        if first and len(first) < len([c for c in r["calls"] if c["expected"] is not None]):
+            right = sum(bool(c["right"]) for c in first)
+            trips = sum(bool(c.get("round_trip_right")) for c in first)
+            lines.append(
+                f"\n{r['preset']}, the first version's {len(first)} tool requests:"
+                f" first call right {right}/{len(first)}, round trip right {trips}/{len(first)}"
+            )
     for r in results:
         kinds = Counter(t["kind"] for t in r["typed"])
         right = Counter(t["kind"] for t in r["typed"] if t["right"])
