@@ -173,36 +173,6 @@ def test_a_call_to_a_function_not_offered_is_never_read_as_an_apology_the_answer
     run(scenario())
 
 
-def test_a_request_the_model_finds_likely_to_need_a_function_gets_the_call_not_words(engines: Stack) -> None:
-    """The fake model answers these words in words but gives a call 0.6 (``[[likely-call]]``): it calls."""
-
-    async def scenario() -> None:
-        async with live_server(engines) as server:
-            async with RealtimeClient.connect(server) as c:
-                await c.send("session.update", session={"tools": [WEATHER, REMINDER]})
-                done = await c.say_text("do I need an umbrella in Berlin [[likely-call]]")
-                assert done["response"]["status"] == "completed"
-                [call] = done["response"]["output"]
-                assert call["type"] == "function_call" and call["name"] == "get_weather"
-                assert not c.of_type("response.output_audio.delta")
-
-    run(scenario())
-
-
-def test_small_talk_the_model_finds_unlikely_to_need_a_function_is_answered_in_words(engines: Stack) -> None:
-    async def scenario() -> None:
-        async with live_server(engines) as server:
-            async with RealtimeClient.connect(server) as c:
-                await c.send("session.update", session={"tools": [WEATHER, REMINDER]})
-                done = await c.say_text("good morning")
-                [message] = done["response"]["output"]
-                assert message["type"] == "message"
-                assert message["content"][0]["transcript"] == "You said: good morning."
-                assert not c.of_type("response.function_call_arguments.done")
-
-    run(scenario())
-
-
 def test_an_answer_with_nothing_in_it_is_asked_again_without_the_functions(engines: Stack) -> None:
     async def scenario() -> None:
         async with live_server(engines) as server:

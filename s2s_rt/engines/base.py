@@ -265,13 +265,6 @@ class JudgesTurnEnd(Protocol):
 
 
 @runtime_checkable
-class WeighsCalls(Protocol):
-    """An LLM that can say how likely its answer to a request with functions offered begins with a call."""
-
-    def call_probability(self, request: LLMRequest) -> float: ...
-
-
-@runtime_checkable
 class KeepsPrefixes(Protocol):
     """An LLM that keeps model states of conversations it read (its figures go to ``/metrics``)."""
 

@@ -114,11 +114,6 @@ class EchoLLM:
         """The fake model finds every utterance finished (``semantic_vad`` ends turns after its shortest wait)."""
         return 0.9
 
-    def call_probability(self, request: LLMRequest) -> float:
-        """A call is likely (0.6) when the user's words hold ``[[likely-call]]``, else unlikely (0.001)."""
-        user = next((m.content for m in reversed(request.messages) if m.role == "user"), "")
-        return 0.6 if "[[likely-call]]" in user else 0.001
-
     def stream(self, request: LLMRequest, *, should_stop: StopCheck, usage: LLMUsage) -> Iterator[str]:
         messages, max_tokens, tools = request.messages, request.max_tokens, request.tools
         user = next((m.content for m in reversed(messages) if m.role == "user"), "")

@@ -24,7 +24,6 @@ import numpy as np
 from s2s_rt.engines.base import ChatMessage, FirstWordsPause, LLMRequest, LLMUsage, StopCheck
 from s2s_rt.engines.chat_formats import ChatFormat, ChatPrompt
 from s2s_rt.engines.kept_state import MIN_KEPT_TOKENS, PROBE, KeptStateCheck, check_kept_state
-from s2s_rt.engines.llm_calls import CallWeighing
 from s2s_rt.engines.llm_lanes import LONG_READING_TOKENS, Lanes, never
 from s2s_rt.engines.llm_turns import SENTENCE_END, AnswerTurn, Turns, token_steps
 from s2s_rt.engines.prompt_cache import ConversationPrefixes, StaticPrefixes
@@ -47,7 +46,7 @@ _ANY_USER = ChatMessage("user", "Hello")
 log = logging.getLogger(__name__)
 
 
-class CT2ChatLLM(CallWeighing):
+class CT2ChatLLM:
     """A chat LLM in CTranslate2, streaming its answers (implements ``base.LLM``).
 
     Args:

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from s2s_rt.call_decision import CALL_PROBABILITY, CallDecision, decide_call
 from s2s_rt.engines.base import LLM, TTS, ChatMessage, FunctionCall, LLMRequest, LLMUsage
 from s2s_rt.pipeline.clauses import ClauseSplitter
 from s2s_rt.protocol.config import DEFAULT_MAX_OUTPUT_TOKENS
@@ -45,10 +44,6 @@ class CallResult:
     #: Calls that failed the schema check, with the reason.
     invalid: list[str]
     text: str
-    #: The model's probability of a call, weighed before answering the user's words (None: not weighed).
-    call_probability: float | None = None
-    #: The answer was required to be a call (:func:`s2s_rt.call_decision.decide_call`).
-    required: bool = False
 
 
 @dataclass(slots=True)
@@ -74,9 +69,6 @@ class Assistant:
             server does); off measures the answers without it.
         examples: with the context, its worked examples too (off measures them).
         max_tokens: the answer's token budget.
-        call_threshold: the model's probability of a call from which the
-            first answer to a request must be one, as the server decides
-            (:mod:`s2s_rt.call_decision`); above 1, never.
     """
 
     def __init__(
@@ -90,7 +82,6 @@ class Assistant:
         context: bool = True,
         examples: bool = True,
         max_tokens: int = DEFAULT_MAX_OUTPUT_TOKENS,
-        call_threshold: float = CALL_PROBABILITY,
     ) -> None:
         self.llm = llm
         self.tts = tts
@@ -100,7 +91,6 @@ class Assistant:
         self.context = context
         self.examples = examples
         self.max_tokens = max_tokens
-        self.call_threshold = call_threshold
 
     def messages(self, text: str, language: str | None = None, tools: bool = False) -> list[ChatMessage]:
         """The chat messages for one user turn, as the server would build them."""
@@ -164,16 +154,11 @@ class Assistant:
     def _ask_tools(self, messages: list[ChatMessage], tools: Sequence[dict[str, Any]]) -> CallResult:
         usage = LLMUsage()
         asked = LLMRequest.of(messages, max_tokens=self.max_tokens, temperature=self.temperature, tools=tools)
-        decided = CallDecision(asked)
-        if self.call_threshold <= 1:
-            decided = decide_call(self.llm, asked, self.call_threshold)
-        asked = decided.request
         stream = self.llm.stream(asked, should_stop=lambda: False, usage=usage)
         splitter = ToolCallFilter()
         parts = [part for piece in stream for part in splitter.feed(piece)]
         parts += splitter.flush()
-        text = "".join(p.text for p in parts if isinstance(p, Text)).strip()
-        result = CallResult([], [], text, decided.probability, asked.require_tool)
+        result = CallResult([], [], "".join(p.text for p in parts if isinstance(p, Text)).strip())
         for part in parts:
             if isinstance(part, Call):
                 try:

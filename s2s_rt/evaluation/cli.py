@@ -65,11 +65,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--speak-back", action="store_true", help="speak each typed answer and transcribe it back (intelligibility)"
     )
-    parser.add_argument(
-        "--call-threshold",
-        type=float,
-        help="a call's probability from which the answer must be one (default: the server's; above 1: never)",
-    )
     parser.add_argument("--seed", type=int, default=1234, help="sampling seed, reset before each answer")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -106,7 +101,6 @@ def main(argv: list[str] | None = None) -> int:
         command += ["--instructions", args.instructions] if args.instructions is not None else []
         command += ["--temperature", str(args.temperature)] if args.temperature is not None else []
         command += ["--temperature-scale", str(args.temperature_scale)] if args.temperature_scale is not None else []
-        command += ["--call-threshold", str(args.call_threshold)] if args.call_threshold is not None else []
         print(f"== {preset}", flush=True)
         if subprocess.run(command, check=False).returncode != 0:
             print(f"{preset}: failed (see above)")
@@ -232,7 +226,6 @@ def _answer_one(args: argparse.Namespace) -> int:
         now=EVALUATION_NOW,
         context=not args.no_context,
         examples=not args.no_examples,
-        **({} if args.call_threshold is None else {"call_threshold": args.call_threshold}),
     )
     seed = _seeder(args.seed)
     assistant.answer("Hello!")  # warm-up: first calls allocate
@@ -269,8 +262,6 @@ def _answer_one(args: argparse.Namespace) -> int:
                 "calls": first.calls,
                 "invalid": first.invalid,
                 "text": first.text,
-                "call_probability": first.call_probability,
-                "required": first.required,
                 "right": request.is_right(first),
                 "dated_arguments": request.dated_arguments(first),
             }
@@ -293,7 +284,6 @@ def _answer_one(args: argparse.Namespace) -> int:
         "context": assistant.context,
         "examples": assistant.examples,
         "seed": args.seed,
-        "call_threshold": assistant.call_threshold,
         "rss_loaded_mb": loaded.rss_mb if loaded else None,
         "rss_peak_mb": finished.hwm_mb if finished else None,
         "load_average": os.getloadavg(),

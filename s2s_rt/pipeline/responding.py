@@ -11,7 +11,6 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
-from s2s_rt.call_decision import decide_call
 from s2s_rt.engines.base import (
     AsyncLLM,
     ChatMessage,
@@ -22,7 +21,6 @@ from s2s_rt.engines.base import (
     LLMUsage,
     ReadsAhead,
     TakesTurns,
-    WeighsCalls,
 )
 from s2s_rt.inference import EngineTimeout
 from s2s_rt.pipeline.anticipation import Anticipation
@@ -102,16 +100,6 @@ class Responder:
         asked = LLMRequest.of(
             messages, max_tokens=r.token_limit, temperature=r.params.temperature, tools=tools, require_tool=must_call
         )
-        if isinstance(stage.stack.llm, WeighsCalls) and tools and not must_call:
-            # A call the model finds likely enough is required, however the user put it (issue 38).
-            try:
-                decided = await stage.pools["llm"].call(decide_call, stage.stack.llm, asked, gate=ctx.llm_gate)
-            except Exception as exc:  # answered as asked, the model's own choice
-                log.warning("slot %d: weighing a call failed: %r", stage.index, exc)
-            else:
-                if decided.request.require_tool:
-                    log.info("slot %d: a call is %.2f likely; required", stage.index, decided.probability)
-                asked = decided.request
         ahead = req.anticipation
         if ahead is not None:
             if ahead.answers(asked, r.params.speed, r.params.voice) and not ahead.scope.stale:
