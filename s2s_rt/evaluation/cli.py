@@ -349,11 +349,11 @@ def _report(hearing: dict[str, Any], results: list[dict[str, Any]]) -> str:
     for r in results:
         first = [c for c in r["calls"] if c["expected"] is not None and c.get("issue") is None]
         if first and len(first) < len([c for c in r["calls"] if c["expected"] is not None]):
-            right = sum(bool(c["right"]) for c in first)
+            called = sum(bool(c["right"]) for c in first)
             trips = sum(bool(c.get("round_trip_right")) for c in first)
             lines.append(
                 f"\n{r['preset']}, the first version's {len(first)} tool requests:"
-                f" first call right {right}/{len(first)}, round trip right {trips}/{len(first)}"
+                f" first call right {called}/{len(first)}, round trip right {trips}/{len(first)}"
             )
     for r in results:
         kinds = Counter(t["kind"] for t in r["typed"])
