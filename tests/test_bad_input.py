@@ -202,3 +202,30 @@ def test_random_frames_never_crash_the_server_or_leak_a_slot(batch: list[str | b
             assert json.loads(body)["states"]["idle"] == 2
 
     run(scenario())
+
+
+def _nested_schema(levels: int) -> dict[str, object]:
+    schema: dict[str, object] = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+def test_a_tool_schema_too_deep_for_the_sdk_to_read_back_is_refused_and_the_session_kept() -> None:
+    """A tool nested 100 objects deep (the fuzzer's find) was accepted and echoed in ``session.updated``, which the
+    official SDK could not read ("recursion limit exceeded"). It is refused by name; 20 levels are accepted and
+    the echo conforms (this client checks every event against the SDK's types)."""
+
+    def tool(levels: int) -> dict[str, object]:
+        return {"type": "function", "name": "deep", "parameters": _nested_schema(levels)}
+
+    async def scenario() -> None:
+        async with live_server() as server, RealtimeClient.connect(server) as c:
+            await c.send("session.update", session={"tools": [tool(100)]})
+            error = (await c.until("error"))["error"]
+            assert error["code"] == "invalid_value" and error["param"] == "session.tools[0].parameters", error
+            await c.send("session.update", session={"tools": [tool(20)]})
+            updated = await c.until("session.updated")
+            assert updated["session"]["tools"][0]["name"] == "deep"
+
+    run(scenario())

@@ -189,6 +189,25 @@ def check_temperature(value: float, fail: Callable[[str, str, str], ProtocolErro
     return float(value)
 
 
+#: The deepest a tool's parameters may nest (objects and arrays within each other). The session is echoed in
+#: ``session.created`` / ``session.updated``, and a client reading JSON gives up at a depth of its own: the
+#: official SDK refused an event whose tool schema nested 100 objects deep ("recursion limit exceeded"; 60 it
+#: read), so the session would be accepted here and unreadable there.
+MAX_SCHEMA_DEPTH = 64
+
+
+def json_depth(value: Any) -> int:
+    """How deeply objects and arrays nest in ``value`` (a scalar: 0); walked without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is not None:
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
 def check_tools(tools: list[Any], fail: Callable[[str, str, str], ProtocolError]) -> list[dict[str, Any]]:
     """Function tools as OpenAI defines them: a name, optionally a description and a JSON-schema object.
 
@@ -207,6 +226,12 @@ def check_tools(tools: list[Any], fail: Callable[[str, str, str], ProtocolError]
             raise fail("invalid_value", f"{where}.description must be a string", f"{where}.description")
         if not isinstance(tool.get("parameters", {}), (dict, type(None))):
             raise fail("invalid_value", f"{where}.parameters must be a JSON schema object", f"{where}.parameters")
+        if json_depth(tool.get("parameters")) > MAX_SCHEMA_DEPTH:
+            raise fail(
+                "invalid_value",
+                f"{where}.parameters nests deeper than {MAX_SCHEMA_DEPTH} objects and arrays",
+                f"{where}.parameters",
+            )
     return tools
 
 
