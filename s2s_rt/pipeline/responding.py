@@ -211,7 +211,7 @@ class Responder:
             if (repeated or invented) and not problems and not sent and not spoke and asked.tools:
                 # Ask for the answer again with the functions out of view: a result it has already, or a
                 # function that does not exist, is answered in words.
-                asked = dataclasses.replace(asked, tools=(), require_tool=False)
+                asked = without_functions(asked)
                 continue
             if not problems:
                 if spoke or sent_any or asked_again:
@@ -239,7 +239,7 @@ class Responder:
                 log.info(
                     "slot %d: the model's call was still invalid (%s); asked in words", stage.index, problems[0][1]
                 )
-                asked = dataclasses.replace(before_told, tools=(), require_tool=False)
+                asked = without_functions(before_told)
                 continue
             break  # no usable call even in words: said that there is no answer, below
         if not spoke and not sent_any:
@@ -345,7 +345,12 @@ def asked_for_words(asked: LLMRequest) -> LLMRequest:
     else:
         said = messages[last_user]
         messages[last_user] = dataclasses.replace(said, content=f"{said.content}\n\n{NUDGE}")
-    return dataclasses.replace(asked, messages=tuple(messages), tools=(), require_tool=False)
+    return without_functions(dataclasses.replace(asked, messages=tuple(messages)))
+
+
+def without_functions(asked: LLMRequest) -> LLMRequest:
+    """``asked`` with no functions in view, to be answered in words."""
+    return dataclasses.replace(asked, tools=(), require_tool=False)
 
 
 async def _timed(pieces: AsyncGenerator[str, None], metrics: Metrics) -> AsyncGenerator[str, None]:
