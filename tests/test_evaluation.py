@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+from typing import Any
+
 import pytest
 from conftest import missing
 
+from s2s_rt.evaluation import held_out_tools
 from s2s_rt.evaluation.asking import Assistant, CallResult
 from s2s_rt.evaluation.grading import is_right, spoken_word_error_rate
 from s2s_rt.evaluation.questions import EVALUATION_NOW, KINDS, QUESTIONS, Question
 from s2s_rt.evaluation.tool_requests import REQUESTS, TOOLS, ToolRequest
 from s2s_rt.evaluation.voices import ALL_VOICES
 from s2s_rt.models import ModelError, ensure_prepared
+from s2s_rt.toolcalls import parse_call
 
 SPIDER = next(q for q in QUESTIONS if "spider" in q.text)
 
@@ -96,6 +102,113 @@ def test_a_date_the_request_did_not_ask_for_is_seen_in_the_arguments() -> None:
     assert weather.dated_arguments(CallResult([("get_weather", {"city": "Paris", "when": "2:57 PM"})], [], ""))
     assert not weather.dated_arguments(CallResult([("get_weather", {"city": "Paris"})], [], ""))
     assert not ALARM.dated_arguments(CallResult([("set_alarm", {"time": "06:30"})], [], ""))
+
+
+def test_the_held_out_set_is_twenty_five_round_trips_over_five_other_tools_and_twelve_without() -> None:
+    needing = [r for r in held_out_tools.REQUESTS if r.function]
+    names = {t["name"] for t in held_out_tools.TOOLS}
+    assert len(needing) == 25 and all(r.result and r.says for r in needing)
+    assert len([r for r in held_out_tools.REQUESTS if r.function is None]) == 12
+    assert len(names) == 5 and {r.function for r in needing} == names
+    assert not names & {t["name"] for t in TOOLS}
+
+
+def test_no_held_out_wording_repeats_one_of_the_first_set() -> None:
+    first = {r.text.lower() for r in REQUESTS}
+    held_out = [r.text.lower() for r in held_out_tools.REQUESTS]
+    assert len(set(held_out)) == len(held_out)
+    assert not first & set(held_out)
+
+
+#: What an argument a request does not check is filled with, to make a call its tool's schema takes.
+_PLACEHOLDERS = {"string": "x", "integer": 1, "number": 1}
+
+
+@pytest.mark.parametrize("request_", [r for r in held_out_tools.REQUESTS if r.function], ids=lambda r: r.text)
+def test_every_held_out_call_is_valid_for_its_tool_and_graded_right(request_: ToolRequest) -> None:
+    tool = next(t for t in held_out_tools.TOOLS if t["name"] == request_.function)
+    properties, required = tool["parameters"]["properties"], tool["parameters"]["required"]
+    assert set(request_.arguments) <= set(properties)  # a misspelt name would pass where others are allowed
+    arguments: dict[str, Any] = {k: _PLACEHOLDERS[properties[k]["type"]] for k in required}
+    arguments |= request_.arguments
+    name, parsed = parse_call(json.dumps({"name": request_.function, "arguments": arguments}), held_out_tools.TOOLS)
+    assert json.loads(parsed) == arguments
+    assert request_.is_right(CallResult([(name, json.loads(parsed))], [], ""))
+
+
+#: For each held-out round trip, answers that say its result; each of its patterns matches one of them.
+HELD_OUT_ANSWERS: dict[str, tuple[str, ...]] = {
+    "Play some Beatles.": ("Now playing Here Comes the Sun by the Beatles.",),
+    "It's too quiet in here, put some music on.": ("Playing the Lo-fi Beats playlist.",),
+    "Can you play Bohemian Rhapsody?": ("Here's Bohemian Rhapsody by Queen.",),
+    "Put on something relaxing while I study.": ("I've put on the Calm Piano playlist.",),
+    "Play the new Taylor Swift album.": ("Playing The Tortured Poets Department by Taylor Swift.",),
+    "Text Anna that I'll be ten minutes late.": (
+        "Done, I've sent Anna your message.",
+        "I let Anna know you'll be ten minutes late.",
+        "I told Anna you'll be late.",
+    ),
+    "Send a message to Mum saying happy birthday.": ("Your birthday message to Mum was delivered.", "I've sent it."),
+    "Can you tell David the meeting moved to three o'clock?": (
+        "Message sent to David.",
+        "I let David know about the meeting.",
+        "I told David the meeting moved.",
+    ),
+    "Message my boss Karen: I'm working from home today.": (
+        "Sent: Karen knows you're working from home.",
+        "I let Karen know.",
+        "I told Karen you're at home today.",
+    ),
+    "Let Tom know dinner is ready.": ("I've sent Tom a message.", "I let Tom know dinner is ready.", "I told Tom."),
+    "What's Apple's stock price?": ("Apple is trading at $189.84.",),
+    "How are Microsoft shares doing today?": ("Microsoft is at $415.20, down 1.3% today.",),
+    "Check the Tesla share price for me.": ("Tesla shares are at 242.5 dollars.",),
+    "Is Nvidia up or down today?": ("Nvidia is up 2.6% today, at $131.40.",),
+    "What's Amazon trading at?": ("Amazon is trading at $178.25.",),
+    "Book a table for four at Luigi's at seven thirty tonight.": (
+        "Your table for four at Luigi's is booked for 7:30 PM.",
+        "Confirmed: Luigi's at 19:30 for four.",
+        "You're all set for half past seven.",
+    ),
+    "Can you get us a table at the Golden Dragon at eight in the evening? There are two of us.": (
+        "Your table for two is confirmed for 8 PM.",
+        "Booked at 20:00.",
+    ),
+    "I'd like to reserve a table for six at Nando's for lunch at half past twelve.": (
+        "Booked: six people at Nando's at 12:30.",
+        "Your table is confirmed for half past twelve.",
+    ),
+    "Reserve Chez Marie for three people at a quarter past eight in the evening.": (
+        "Confirmed, Chez Marie at 8:15 PM for three.",
+        "Booked for 20:15.",
+        "You're booked at a quarter past eight.",
+    ),
+    "My parents are visiting, find us a table for five at Bella Vista at seven in the evening.": (
+        "Sorry, Bella Vista is fully booked at seven, but there's a table at 9 PM.",
+        "They have a table at 21:00 instead.",
+    ),
+    "Set the heating to twenty-one degrees.": ("The heating is set to 21 degrees.",),
+    "It's freezing in here, turn the heat up to twenty-three.": ("Turned up to 23°C; it's 17 now.",),
+    "Turn on the air conditioning and set it to twenty degrees.": (
+        "The air conditioning is on, cooling to 20 degrees.",
+    ),
+    "Change the thermostat to eighteen and a half.": (
+        "The thermostat is set to 18.5 degrees.",
+        "Set to eighteen and a half degrees.",
+    ),
+    "We're going to bed, drop the temperature to sixteen.": ("Done, the temperature will drop to 16 degrees.",),
+}
+
+
+@pytest.mark.parametrize("request_", [r for r in held_out_tools.REQUESTS if r.function], ids=lambda r: r.text)
+def test_every_held_out_pattern_matches_an_answer_that_says_the_result(request_: ToolRequest) -> None:
+    answers = [CallResult([], [], text) for text in HELD_OUT_ANSWERS[request_.text]]
+    assert all(request_.answer_uses_result(a) for a in answers)
+    for pattern in request_.says:
+        alone = dataclasses.replace(request_, says=(pattern,))
+        assert any(alone.answer_uses_result(a) for a in answers), pattern
+    assert not request_.answer_uses_result(CallResult([], [], "Sorry, I can't help with that right now."))
+    assert not request_.answer_uses_result(CallResult([], [], request_.output))
 
 
 @pytest.mark.slow
