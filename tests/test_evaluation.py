@@ -11,6 +11,7 @@ from conftest import missing
 
 from s2s_rt.evaluation import held_out_tools
 from s2s_rt.evaluation.asking import Assistant, CallResult
+from s2s_rt.evaluation.cli import _report
 from s2s_rt.evaluation.grading import is_right, spoken_word_error_rate
 from s2s_rt.evaluation.questions import EVALUATION_NOW, KINDS, QUESTIONS, Question
 from s2s_rt.evaluation.tool_requests import REQUESTS, TOOLS, ToolRequest
@@ -209,6 +210,17 @@ def test_every_held_out_pattern_matches_an_answer_that_says_the_result(request_:
         assert any(alone.answer_uses_result(a) for a in answers), pattern
     assert not request_.answer_uses_result(CallResult([], [], "Sorry, I can't help with that right now."))
     assert not request_.answer_uses_result(CallResult([], [], request_.output))
+
+
+def test_the_report_names_the_tool_set_and_whether_the_function_was_chosen() -> None:
+    calls = [{"expected": r.function, "right": False, "calls": [], "invalid": []} for r in held_out_tools.REQUESTS]
+    result = {
+        "preset": "default", "typed": [], "spoken": [], "calls": calls, "rss_peak_mb": 900.0,
+        "tool_set": "held-out", "tools": [t["name"] for t in held_out_tools.TOOLS], "choose_functions": False,
+    }  # fmt: skip
+    report = _report({"voices": []}, [result])
+    assert "default, function calls on the held-out tool set (5 tools: play_music," in report
+    assert "25 requests that need one, 12 that need none), function choice off" in report
 
 
 @pytest.mark.slow

@@ -16,6 +16,13 @@
    set is run; first-token and first-audio times are taken on the typed
    questions.
 
+The function-calling set is the first one (``--tool-set first``,
+:mod:`~s2s_rt.evaluation.tool_requests`) or the held-out one (``--tool-set
+held-out``, :mod:`~s2s_rt.evaluation.held_out_tools`), which shows whether
+what was tuned on the first carries over::
+
+    python -m s2s_rt.evaluation --tools-only --tool-set held-out --llm default --out eval-held-out
+
 Writes ``hearing.json``, ``answers-PRESET.json`` and ``report.md`` (the
 tables of BENCHMARKS.md) into ``--out``. Needs ``flite`` and ``espeak-ng``
 for the foreign voices (``apt-get install flite espeak-ng``).
@@ -38,6 +45,8 @@ from s2s_rt.evaluation.questions import EVALUATION_NOW, QUESTIONS
 from s2s_rt.evaluation.voices import ALL_VOICES, Voice, missing_programs
 
 PRESETS = ("default", "tiny", "best")
+#: The function-calling sets, by their ``--tool-set`` name.
+TOOL_SETS = ("first", "held-out")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,6 +61,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--typed-only", action="store_true", help="skip the spoken questions")
     parser.add_argument("--no-tools", action="store_true", help="skip the function-calling set")
     parser.add_argument("--tools-only", action="store_true", help="only the function-calling set (typed only)")
+    parser.add_argument(
+        "--tool-set", choices=TOOL_SETS, default="first", help="the function-calling set (default: the first)"
+    )
+    parser.add_argument(
+        "--no-function-choice",
+        action="store_true",
+        help="build the local LLM with choose_functions=False (no choice of the function by likelihood)",
+    )
     parser.add_argument("--detect", choices=["served", "any"], default="served", help="languages Whisper detects among")
     parser.add_argument("--instructions", help="session instructions (default: a default session's)")
     parser.add_argument("--temperature", type=float, help="session temperature (default: the server's)")
@@ -92,9 +109,11 @@ def main(argv: list[str] | None = None) -> int:
                 ("--typed-only", args.typed_only),
                 ("--no-tools", args.no_tools),
                 ("--tools-only", args.tools_only),
+                ("--no-function-choice", args.no_function_choice),
             )
             if on
         ]
+        command += ["--tool-set", args.tool_set]
         command += ["--no-context"] if args.no_context else []
         command += ["--no-examples"] if args.no_examples else []
         command += ["--seed", str(args.seed)]
@@ -189,31 +208,39 @@ def _answer_one(args: argparse.Namespace) -> int:
     from s2s_rt.bench.procfs import read_proc
     from s2s_rt.config import Config
     from s2s_rt.engines.default import load_default_stack
+    from s2s_rt.evaluation import held_out_tools, tool_requests
     from s2s_rt.evaluation.asking import Assistant
     from s2s_rt.evaluation.grading import is_right
-    from s2s_rt.evaluation.tool_requests import REQUESTS, TOOLS
     from s2s_rt.protocol.config import SessionConfig
 
     preset = args.one
     config = Config()
+    tool_set = {"first": tool_requests, "held-out": held_out_tools}[args.tool_set]
+    temperature_scale = config.llm_temperature_scale if args.temperature_scale is None else args.temperature_scale
     try:
         prepared = models.ensure_prepared(llm=preset if preset in models.LLM_PRESETS else "default", progress=print)
         llm_dir = prepared.llm if preset in models.LLM_PRESETS else models.resolve_llm_dir(preset)
     except models.ModelError as exc:
         print(f"{preset}: {exc}")
         return 1
+    llm = None
+    if args.no_function_choice:
+        if llm_dir is not None:
+            llm = _llm_without_function_choice(llm_dir, config.llm_threads, temperature_scale)
+        if llm is None:
+            print(f"{preset}: --no-function-choice needs a local LLM engine with a choose_functions option")
+            return 1
     stack = load_default_stack(
         vad_model=prepared.vad,
         whisper_dir=prepared.whisper,
         llm_dir=llm_dir,
+        llm=llm,
         voices=prepared.voices,
         device="cpu",
         stt_threads=config.stt_threads,
         llm_threads=config.llm_threads,
         tts_threads=config.tts_threads,
-        llm_temperature_scale=(
-            config.llm_temperature_scale if args.temperature_scale is None else args.temperature_scale
-        ),
+        llm_temperature_scale=temperature_scale,
     )
     loaded = read_proc(os.getpid())
     session = SessionConfig()
@@ -251,9 +278,9 @@ def _answer_one(args: argparse.Namespace) -> int:
             spoken.append({**clip, "answer": answered[key], "right": is_right(q, answered[key])})
     calls = []
     if not args.no_tools:
-        for request in REQUESTS:
+        for request in tool_set.REQUESTS:
             seed()
-            trip = assistant.round_trip(request.text, TOOLS, request.output)
+            trip = assistant.round_trip(request.text, tool_set.TOOLS, request.output)
             first, answer = trip.first, trip.answer
             row: dict[str, Any] = {
                 "request": request.text,
@@ -284,6 +311,10 @@ def _answer_one(args: argparse.Namespace) -> int:
         "context": assistant.context,
         "examples": assistant.examples,
         "seed": args.seed,
+        "tool_set": args.tool_set,
+        "tools": [t["name"] for t in tool_set.TOOLS],
+        # None: an engine without the setting (one that never chose the function by likelihood).
+        "choose_functions": getattr(stack.llm, "choose_functions", None),
         "rss_loaded_mb": loaded.rss_mb if loaded else None,
         "rss_peak_mb": finished.hwm_mb if finished else None,
         "load_average": os.getloadavg(),
@@ -293,6 +324,34 @@ def _answer_one(args: argparse.Namespace) -> int:
     }
     (args.out / f"answers-{Path(preset).name}.json").write_text(json.dumps(result, indent=1))
     return 0
+
+
+def _llm_without_function_choice(llm_dir: Path, threads: int, temperature_scale: float) -> Any:
+    """The local LLM as the default stack builds it on the CPU, with ``choose_functions=False``; None: no such option.
+
+    :func:`~s2s_rt.engines.default.load_default_stack` does not take the
+    option, so the LLM is built here with the stack's own arguments and
+    handed to it.
+    """
+    import inspect
+
+    from s2s_rt.engines.default import _default_instructions
+    from s2s_rt.engines.device import resolve_device
+    from s2s_rt.engines.llm import CT2ChatLLM
+
+    if "choose_functions" not in inspect.signature(CT2ChatLLM).parameters:
+        return None
+    # Passed by name from a dict, so that this module type-checks against an engine without the option too.
+    off: dict[str, Any] = {"choose_functions": False}
+    return CT2ChatLLM(
+        llm_dir,
+        device="cpu",
+        compute_type=resolve_device("cpu").ct2_compute_type(quantized=True),
+        intra_threads=threads,
+        temperature_scale=temperature_scale,
+        cached_system_prompts=_default_instructions(),
+        **off,
+    )
 
 
 def _seeder(seed: int) -> Any:
@@ -310,6 +369,19 @@ def _median_ms(values: list[float | None]) -> str:
     return f"{1000 * statistics.median(present):.0f}" if present else "-"
 
 
+def _tool_set_line(result: dict[str, Any]) -> str:
+    """Which function-calling set a preset's calls were graded on, and whether its LLM chose the function."""
+    needing = sum(c["expected"] is not None for c in result["calls"])
+    tools = result.get("tools")
+    named = f"{len(tools)} tools: {', '.join(tools)}; " if tools else ""
+    choice = {True: "on", False: "off", None: "not in this engine"}[result.get("choose_functions")]
+    return (
+        f"{result['preset']}, function calls on the {result.get('tool_set', 'first')} tool set"
+        f" ({named}{needing} requests that need one, {len(result['calls']) - needing} that need none),"
+        f" function choice {choice}"
+    )
+
+
 def _report(hearing: dict[str, Any], results: list[dict[str, Any]]) -> str:
     lines = []
     if hearing["voices"]:
@@ -324,6 +396,11 @@ def _report(hearing: dict[str, Any], results: list[dict[str, Any]]) -> str:
         lines.append("")
     if not results:
         return "\n".join(lines) + "\n"
+    for r in results:
+        if r["calls"]:
+            lines.append(_tool_set_line(r))
+    if any(r["calls"] for r in results):
+        lines.append("")
     lines += [
         "| preset | typed right | spoken right | first call right | round trip right | repeated calls"
         " | spurious calls | invented functions | first token p50 | first audio p50 | RSS |",
