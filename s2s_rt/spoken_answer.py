@@ -19,6 +19,7 @@ from datetime import datetime
 from s2s_rt.engines.base import ChatMessage
 from s2s_rt.engines.languages import language_code, language_name
 from s2s_rt.protocol.config import SessionConfig
+from s2s_rt.written_numbers import written
 
 #: The instructions of a session whose client gives none.
 DEFAULT_INSTRUCTIONS = SessionConfig().instructions
@@ -117,11 +118,16 @@ def with_answer_context(
         messages: the conversation as the protocol builds it, system message first if any.
         now: the moment of the answer; None means now, in the server's local time.
         language: the language the user spoke, if known.
-        tools: functions are offered to the model.
+        tools: functions are offered to the model: the user's last words are shown with numbers and
+            clock times said in words written in digits (:func:`s2s_rt.written_numbers.written`).
         examples: add :data:`ANSWER_EXAMPLES` where they belong (off only to measure them).
     """
     words = messages[-1].content if messages and messages[-1].role == "user" else ""
     date, clock = asks_date(words), asks_time(words)
+    if words and tools and (digits := written(words)) != words:
+        # A function's arguments want digits: "a quarter to six" is shown as "5:45" (s2s_rt.written_numbers).
+        words = digits
+        messages = [*messages[:-1], ChatMessage("user", words)]
     if date or clock:
         # After the question, not in the system message, which then stays the same from one answer to
         # the next (the server keeps the model state of the conversation so far: CT2ChatLLM.prime).

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -368,6 +369,47 @@ def test_the_default_model_answers_a_result_shown_as_words_in_words_that_use_it(
 def test_a_required_call_is_begun_in_the_prompt(default_llm: CT2ChatLLM) -> None:
     chat = default_llm._chat.encode([ChatMessage("user", "Weather?")], [WEATHER], require_tool=True)
     assert default_llm._tokenizer.decode(chat.turns[-1]) == "assistant\n<tool_call>\n"
+
+
+def test_a_call_chosen_for_the_request_is_begun_in_the_prompt_with_its_name(default_llm: CT2ChatLLM) -> None:
+    chat = default_llm._chat.encode([ChatMessage("user", "Weather?")], [WEATHER], call="get_weather")
+    assert (
+        default_llm._tokenizer.decode(chat.turns[-1])
+        == 'assistant\n<tool_call>\n{"name": "get_weather", "arguments": {'
+    )
+    # The functions stay in view: the prompt before the opening is the one a free answer reads.
+    free = default_llm._chat.encode([ChatMessage("user", "Weather?")], [WEATHER])
+    assert chat.turns[:-1] == free.turns[:-1]
+
+
+ALARM = {
+    "type": "function",
+    "name": "set_alarm",
+    "description": "Set an alarm clock.",
+    "parameters": {"type": "object", "properties": {"time": {"type": "string"}}, "required": ["time"]},
+}
+
+
+@pytest.mark.parametrize(
+    ("words", "call"),
+    [
+        ("Do I need an umbrella in Berlin?", {"name": "get_weather", "arguments": {"city": "Berlin"}}),
+        ("Good morning!", None),
+        ("What is the capital of Italy?", None),
+    ],
+)
+def test_a_request_goes_to_the_function_it_needs_and_small_talk_to_none(
+    default_llm: CT2ChatLLM, words: str, call: dict[str, Any] | None
+) -> None:
+    """Asked for advice, the default model answered from its imagination; the function is now chosen for it."""
+    messages = [ChatMessage("system", "You are a voice assistant."), ChatMessage("user", words)]
+    asked = LLMRequest.of(messages, max_tokens=80, temperature=0, tools=[WEATHER, ALARM])
+    text = "".join(default_llm.stream(asked, should_stop=_never, usage=LLMUsage()))
+    if call is None:
+        assert "<tool_call>" not in text and text.strip(), text
+    else:
+        assert text.startswith("<tool_call>\n") and text.endswith("\n</tool_call>"), text
+        assert json.loads(text.removeprefix("<tool_call>\n").removesuffix("\n</tool_call>")) == call
 
 
 def _framed(pieces: list[str], required: bool = False) -> tuple[list[str], str]:

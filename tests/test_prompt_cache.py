@@ -69,7 +69,9 @@ def test_answers_from_the_kept_state_are_the_answers_without_it(
     assert len(static.prefixes) == 2 and len(static.prefixes[0]) > 100  # with the examples
     questions = ("What is the capital of France?", "How many legs does a spider have?")
     prompts = [
-        plain._fit(plain._chat.encode(with_answer_context([ChatMessage("system", DEFAULT_INSTRUCTIONS), q])), 30)[0]
+        plain._chat.encode(with_answer_context([ChatMessage("system", DEFAULT_INSTRUCTIONS), q])).fit(
+            plain.max_context_tokens, 30
+        )[0]
         for q in (ChatMessage("user", question) for question in questions)
     ]
     # Measured apart from the start-up check, on the server's own prompts at their real boundary: whether this

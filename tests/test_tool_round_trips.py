@@ -129,3 +129,33 @@ def test_small_talk_and_facts_with_tools_offered_get_no_call() -> None:
                     assert answer_text(done), words
 
     run(scenario(), timeout=4 * ANSWER_S)
+
+
+def test_requests_in_everyday_words_call_the_function_they_need_with_its_arguments() -> None:
+    """Advice, a lookup that does not say "order", and a clock time in words each get the right call.
+
+    On the code before the function was chosen by likelihood and times and
+    amounts were written in digits, the default model answered the umbrella
+    from its own imagination, looked the purchase up as ``get_weather(Paris)``
+    and set the alarm for ``14:00`` (BENCHMARKS.md, "Function calls").
+    """
+    wanted = (
+        "Do I need an umbrella in Berlin?",
+        "Can you check on purchase 91002 for me?",
+        "Wake me at a quarter to six.",
+    )
+
+    async def scenario() -> None:
+        async with default_server() as server:
+            for words in wanted:
+                request = next(r for r in REQUESTS if r.text == words)
+                async with RealtimeClient.connect(server) as c:
+                    done = await ask_with_tools(c, words)
+                    calls = [
+                        (o["name"], json.loads(o["arguments"]))
+                        for o in done["response"]["output"]
+                        if o["type"] == "function_call"
+                    ]
+                    assert request.is_right(CallResult(calls, [], answer_text(done))), (words, done["response"])
+
+    run(scenario(), timeout=4 * ANSWER_S)

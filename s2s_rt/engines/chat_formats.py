@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from s2s_rt.engines.base import ChatMessage
+from s2s_rt.engines.function_choice import call_opening
 from s2s_rt.engines.tokenizing import Tokenizer
 from s2s_rt.models.errors import ModelError
 from s2s_rt.toolcalls import OPEN, chat_tool, is_error_result
@@ -29,6 +30,23 @@ class ChatPrompt:
     turns: list[list[int]]
     #: Leading turns never dropped (the system turn).
     pinned: int
+
+    def fit(self, context_tokens: int, max_tokens: int) -> tuple[list[int], int]:
+        """Return the prompt ids and the answer budget within ``context_tokens``.
+
+        Drops the oldest turns after the pinned ones until the prompt leaves
+        room for at least a short answer, then shortens the answer budget.
+        """
+        turns = list(self.turns)
+        min_answer = min(max_tokens, 64)
+        # Always keep the pinned turns, the last message and the answer's opening.
+        while sum(map(len, turns)) + min_answer > context_tokens and len(turns) > self.pinned + 2:
+            del turns[self.pinned]
+        prompt = [token for turn in turns for token in turn]
+        if len(prompt) + min_answer > context_tokens:
+            # One enormous message: keep its end, which a user speaking last said.
+            prompt = prompt[len(prompt) + min_answer - context_tokens :]
+        return prompt, min(max_tokens, context_tokens - len(prompt))
 
 
 class ChatFormat(abc.ABC):
@@ -110,6 +128,7 @@ class ChatFormat(abc.ABC):
         messages: Sequence[ChatMessage],
         tools: Sequence[dict[str, Any]] = (),
         require_tool: bool = False,
+        call: str | None = None,
     ) -> ChatPrompt:
         """Render ``messages`` (and the offered ``tools``) as token ids.
 
@@ -134,6 +153,11 @@ class ChatFormat(abc.ABC):
             tools: Realtime function definitions (name, description,
                 parameters).
             require_tool: the answer must be a call (only with ``tools``).
+            call: the answer is a call to this function: its opening holds
+                the call's start up to the arguments
+                (:func:`~s2s_rt.engines.function_choice.call_opening`); the
+                functions stay in view, so the prompt before it is the one a
+                free answer reads (and its kept state serves both).
         """
         system = None
         if messages and messages[0].role == "system":
@@ -153,7 +177,10 @@ class ChatFormat(abc.ABC):
         if system is not None and not self.SYSTEM_ROLE and said and said[0][0] == "user":
             said[0] = ("user", f"{system}\n\n{said[0][1]}")
         turns = [self.turn(role, content) for role, content in said]
-        turns.append(self.opening(OPEN + "\n" if tools and require_tool else ""))
+        if tools and call is not None:
+            turns.append(self.opening(f"{OPEN}\n{call_opening(call)}"))
+        else:
+            turns.append(self.opening(OPEN + "\n" if tools and require_tool else ""))
         return ChatPrompt([*pinned, *turns], pinned=len(pinned))
 
     @abc.abstractmethod

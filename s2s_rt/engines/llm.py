@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 
 from s2s_rt.engines.base import ChatMessage, FirstWordsPause, LLMRequest, LLMUsage, StopCheck
-from s2s_rt.engines.chat_formats import ChatFormat, ChatPrompt
+from s2s_rt.engines.chat_formats import ChatFormat
+from s2s_rt.engines.function_choice import call_opening, choose
 from s2s_rt.engines.kept_state import MIN_KEPT_TOKENS, PROBE, KeptStateCheck, check_kept_state
 from s2s_rt.engines.llm_lanes import LONG_READING_TOKENS, Lanes, never
 from s2s_rt.engines.llm_turns import SENTENCE_END, AnswerTurn, Turns, token_steps
@@ -109,6 +110,7 @@ class CT2ChatLLM:
         prefix_cache_tokens: int = 0,
         prefix_session_tokens: int = 2048,
         long_reading_tokens: int = LONG_READING_TOKENS,
+        choose_functions: bool = True,
     ) -> None:
         import ctranslate2
 
@@ -156,6 +158,8 @@ class CT2ChatLLM:
         #: Answers waiting for their first words go first (long readings' answers take turns apart, beside them).
         self.turns, self.long_turns, self.lanes = Turns(), Turns(), Lanes(inter_threads)
         self.long_reading_tokens = long_reading_tokens
+        #: A request with functions offered goes to the one chosen by likelihood (:mod:`.function_choice`).
+        self.choose_functions = choose_functions
         #: Token ids that end a sentence (``turn_end_probability``).
         self._sentence_ends = [i for i, token in enumerate(self._vocabulary) if SENTENCE_END.fullmatch(token)]
         try:
@@ -258,8 +262,9 @@ class CT2ChatLLM:
         if generator is None:
             raise RuntimeError(f"the LLM engine for {self.model_dir} is closed")
         tools, require_tool = request.tools, request.require_tool
-        chat = self._chat.encode(request.messages, tools, require_tool)
-        prompt, max_tokens = self._fit(chat, request.max_tokens)
+        call = self._choose_function(request, should_stop) if self.choose_functions and not require_tool else None
+        chat = self._chat.encode(request.messages, tools, require_tool, call)
+        prompt, max_tokens = chat.fit(self.max_context_tokens, request.max_tokens)
         usage.input_tokens = len(prompt)
         usage.output_tokens = 0
         if max_tokens <= 0 or should_stop():
@@ -272,7 +277,9 @@ class CT2ChatLLM:
         long = len(static) - usage.cached_tokens + len(prompt) >= self.long_reading_tokens
         said: list[int] = []  # the answer's tokens so far, read again when it resumes after giving way
         text = TextStream(self._tokenizer)
-        framing = CallFraming(required=require_tool) if tools else None
+        framing = CallFraming(required=require_tool or call is not None) if tools else None
+        if framing is not None and call is not None:
+            framing.feed(call_opening(call))  # held with the rest of the call, and framed at its end
         turns = self.long_turns if long else self.turns
         # The pause sees the text as decoded in CTranslate2's worker, before the next token is computed.
         place = AnswerTurn(
@@ -444,26 +451,20 @@ class CT2ChatLLM:
         probabilities = np.exp(logits - logits.max())
         return float(probabilities[self._sentence_ends].sum() / probabilities.sum())
 
+    def _choose_function(self, request: LLMRequest, should_stop: StopCheck) -> str | None:
+        """The function the user's last words need, chosen by likelihood (:mod:`.function_choice`); None: none."""
+
+        def score(batch: list[list[int]]) -> list[list[float]] | None:
+            with self.lanes.take(False, should_stop) as got:
+                scored = got and generator.score_batch([[self._vocabulary[i] for i in ids] for ids in batch])
+            return [list(one.log_probs) for one in scored] if scored else None
+
+        generator: Any = self._generator  # None once closed
+        return choose(request.tools, request.messages, self._tokenizer.encode_text, score) if generator else None
+
     def count_tokens(self, messages: Sequence[ChatMessage], tools: Sequence[dict[str, Any]] = ()) -> int:
         """Return the prompt length of ``messages`` in tokens (with the chat markup)."""
         return sum(len(turn) for turn in self._chat.encode(messages, tools).turns)
-
-    def _fit(self, chat: ChatPrompt, max_tokens: int) -> tuple[list[int], int]:
-        """Return the prompt ids and the answer budget within the context.
-
-        Drops the oldest turns after the system prompt until the prompt leaves
-        room for at least a short answer, then shortens the answer budget.
-        """
-        turns = list(chat.turns)
-        min_answer = min(max_tokens, 64)
-        # Always keep the pinned turns, the last message and the answer's opening.
-        while sum(map(len, turns)) + min_answer > self.max_context_tokens and len(turns) > chat.pinned + 2:
-            del turns[chat.pinned]
-        prompt = [token for turn in turns for token in turn]
-        if len(prompt) + min_answer > self.max_context_tokens:
-            # One enormous message: keep its end, which a user speaking last said.
-            prompt = prompt[len(prompt) + min_answer - self.max_context_tokens :]
-        return prompt, min(max_tokens, self.max_context_tokens - len(prompt))
 
     def _stop_ids(self, tokenizer_config: dict[str, Any]) -> list[int]:
         ids = [self._chat.end_id]

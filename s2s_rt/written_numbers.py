@@ -1,0 +1,129 @@
+"""Numbers and clock times said in words, written in digits, for a function's arguments.
+
+The other way round from :mod:`s2s_rt.speech_text`: a user who says "wake
+me at a quarter to six" or types "change one thousand Swedish kronor" gives
+the model words where a function wants ``05:45`` and ``1000``, and the
+default model (Qwen2.5-Coder-0.5B) gets them wrong more often than right
+("a quarter to six" → ``14:00``, "nine in the evening" → ``17:00``, "one
+thousand kronor" → ``100000``: 7 of 32 requests in the function-calling
+evaluation). With functions offered, the user's words are shown to it with
+those written in digits (:func:`written`): a time with a marker of the day
+("in the evening", "pm") on a 24-hour clock, one without as said ("5:30"
+for "half past five"), amounts as numbers. English only; other words pass
+unchanged.
+"""
+
+from __future__ import annotations
+
+import re
+
+_UNITS = (
+    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen"
+    " seventeen eighteen nineteen"
+).split()
+_TENS = "twenty thirty forty fifty sixty seventy eighty ninety".split()
+_SCALES = {"hundred": 100, "thousand": 1000, "million": 10**6, "billion": 10**9}
+_VALUES = {word: n for n, word in enumerate(_UNITS)} | {word: 20 + 10 * n for n, word in enumerate(_TENS)}
+
+#: One number in words: "twenty-five", "one thousand two hundred and fifty", "eighteen point five".
+_WORD = "|".join(sorted([*_VALUES, *_SCALES], key=len, reverse=True))
+_NUMBER = re.compile(
+    rf"\b(?:{_WORD})(?:(?:[\s-]+|\s+and\s+)(?:{_WORD}))*(?:\s+point(?:\s+(?:{'|'.join(_UNITS[:10])}))+)?\b",
+    re.IGNORECASE,
+)
+_HOUR = r"(?:one|two|three|four|five|six|seven|eight|nine|ten|eleven|twelve|\d{1,2})"
+_MINUTES = rf"(?:(?:oh[\s-]+)?(?:{'|'.join(_UNITS[1:10])})|{'|'.join(_UNITS[10:])}|(?:{'|'.join(_TENS[:4])})(?:[\s-]+(?:{'|'.join(_UNITS[1:10])}))?)"  # noqa: E501
+_MORNING = r"in\s+the\s+morning|a\.?m\.?"
+_LATER = r"in\s+the\s+afternoon|in\s+the\s+evening|at\s+night|tonight|p\.?m\.?"
+_MARKER = rf"(?:\s*(?P<morning>{_MORNING})|\s*(?P<later>{_LATER}))?"
+#: Clock times, the hour and minutes named: "a quarter to six", "ten past seven", "half past five".
+_RELATIVE = re.compile(
+    rf"\b(?:(?P<quarter>a\s+quarter|quarter)|(?P<half>half)|(?P<minutes>{_MINUTES})(?:\s+minutes?)?)\s+"
+    rf"(?P<way>past|after|to|before)\s+(?P<hour>{_HOUR})(?:\s+o'?clock)?\b{_MARKER}",
+    re.IGNORECASE,
+)
+#: "six thirty", "four fifteen", "seven o'clock", "nine in the evening", "6 pm", after a word that leads to a time.
+_PLAIN = re.compile(
+    rf"\b(?P<lead>at|for|by|until|till|around|about|from)\s+(?P<hour>{_HOUR})"
+    rf"(?:(?:\s+|:)(?P<minutes>{_MINUTES}|\d{{2}}))?(?P<oclock>\s+o'?clock)?\b{_MARKER}",
+    re.IGNORECASE,
+)
+_NOON = re.compile(r"\b(?P<lead>at|for|by|until|till|around|about|from)\s+(?P<word>noon|midday|midnight)\b", re.I)
+
+
+def written(text: str) -> str:
+    """``text`` with clock times and numbers said in words written in digits."""
+    text = _RELATIVE.sub(_relative, text)
+    text = _PLAIN.sub(_plain, text)
+    text = _NOON.sub(lambda m: f"{m['lead']} {'00:00' if m['word'].lower() == 'midnight' else '12:00'}", text)
+    return _NUMBER.sub(_number, text)
+
+
+def number(words: str) -> int | float | None:
+    """The value of a number in words ("one thousand two hundred and five" → 1205); None if it is not one."""
+    whole, _, fraction = re.sub(r"[\s-]+", " ", words.lower()).partition(" point ")
+    total = current = 0
+    for word in whole.split():
+        if word == "and":
+            continue
+        if word in _VALUES:
+            if current % 100 and (current % 10 or _VALUES[word] >= 10):
+                return None  # "two twenty", "twenty thirty": two numbers, not one
+            current += _VALUES[word]
+        elif word == "hundred":
+            current = max(current, 1) * 100
+        elif word in _SCALES:
+            total, current = total + max(current, 1) * _SCALES[word], 0
+        else:
+            return None
+    value = total + current
+    if not fraction:
+        return value
+    digits = [_VALUES.get(word) for word in fraction.split()]
+    if any(d is None or d > 9 for d in digits):
+        return None
+    return float(f"{value}.{''.join(map(str, digits))}")
+
+
+def _number(m: re.Match[str]) -> str:
+    said = m.group()
+    if said.lower() in ("one", "zero"):  # "one of them", "zero in on": words, not amounts
+        return said
+    value = number(said)
+    return said if value is None else str(value)
+
+
+def _hour(said: str) -> int:
+    value = int(said) if said.isdigit() else number(said)
+    return int(value or 0)
+
+
+def _clock(hour: int, minutes: int, m: re.Match[str]) -> str:
+    if m["later"] and hour < 12:
+        hour += 12
+    elif m["morning"] and hour == 12:
+        hour = 0
+    if m["later"] or m["morning"]:
+        return f"{hour:02d}:{minutes:02d}"
+    return f"{hour}:{minutes:02d}"
+
+
+def _relative(m: re.Match[str]) -> str:
+    hour = _hour(m["hour"])
+    minutes = 15 if m["quarter"] else 30 if m["half"] else int(number(m["minutes"].replace("oh", "")) or 0)
+    if hour > 12 or minutes >= 60:
+        return m.group()
+    if m["way"].lower() in ("to", "before"):
+        hour, minutes = (hour - 1) % 12 or 12, 60 - minutes
+    return _clock(hour, minutes, m)
+
+
+def _plain(m: re.Match[str]) -> str:
+    said = m["minutes"]
+    if said is None and not (m["oclock"] or m["morning"] or m["later"]):
+        return m.group()  # "for two", "at five": a number, not a time
+    hour = _hour(m["hour"])
+    minutes = 0 if said is None else int(said) if said.isdigit() else int(number(said.replace("oh", "")) or 0)
+    if hour > 24 or minutes >= 60:
+        return m.group()
+    return f"{m['lead']} {_clock(hour, minutes, m)}"

@@ -1,0 +1,55 @@
+"""Numbers and clock times said in words are written in digits for a function's arguments."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from s2s_rt.speech_text import cardinal
+from s2s_rt.written_numbers import number, written
+
+
+@pytest.mark.parametrize(
+    ("said", "digits"),
+    [
+        ("Wake me at a quarter to six.", "Wake me at 5:45."),
+        ("Set an alarm for a quarter past eight.", "Set an alarm for 8:15."),
+        ("I need to get up at half past five tomorrow.", "I need to get up at 5:30 tomorrow."),
+        ("Can you get me up at ten past seven?", "Can you get me up at 7:10?"),
+        ("twenty-five to twelve", "11:35"),
+        ("Set an alarm for nine in the evening.", "Set an alarm for 21:00."),
+        ("Set an alarm for seven in the morning called gym.", "Set an alarm for 07:00 called gym."),
+        ("wake me at four fifteen", "wake me at 4:15"),
+        ("at ten oh five", "at 10:05"),
+        ("at six o'clock", "at 6:00"),
+        ("a table at 7 pm", "a table at 19:00"),
+        ("at twelve in the morning", "at 00:00"),
+        ("ring at noon", "ring at 12:00"),
+        ("by midnight", "by 00:00"),
+        ("Change one thousand Swedish kronor into euros.", "Change 1000 Swedish kronor into euros."),
+        ("two hundred and fifty dollars", "250 dollars"),
+        ("Set it to eighteen point five degrees.", "Set it to 18.5 degrees."),
+        ("a table for two", "a table for 2"),
+    ],
+)
+def test_times_and_amounts_in_words_are_written_in_digits(said: str, digits: str) -> None:
+    assert written(said) == digits
+
+
+@pytest.mark.parametrize(
+    "said",
+    [
+        "One of my friends is here.",  # "one" alone is a word, not an amount
+        "I have two twenty dollar bills.",  # two numbers, not 22
+        "What is the capital of Italy?",
+        "Quelle heure est-il?",
+    ],
+)
+def test_words_that_are_not_one_amount_or_time_stay_as_they_are(said: str) -> None:
+    assert written(said) == said
+
+
+@given(st.integers(min_value=2, max_value=999_999_999))
+def test_any_number_said_in_words_is_read_back(n: int) -> None:
+    assert number(cardinal(n)) == n
