@@ -33,6 +33,7 @@ def load_default_stack(
     llm_temperature_scale: float = 1.0,
     llm_prefix_cache_tokens: int = 0,
     llm_prefix_session_tokens: int = 2048,
+    llm_choose_functions: bool = True,
     engine_nice: int = 0,
 ) -> Stack:
     """Load each of the four engines once, for every slot of the process.
@@ -61,6 +62,9 @@ def load_default_stack(
         engine_nice: the STT, LLM and TTS are loaded on a thread this much
             nicer, so the threads they compute on are too (see
             :func:`s2s_rt.inference.lower_this_thread`); the VAD is not.
+        llm_choose_functions: the local LLM chooses the function a request
+            needs by likelihood (:mod:`~s2s_rt.engines.function_choice`);
+            off only to measure it.
         llm: an LLM engine made elsewhere (a remote endpoint's) instead of
             loading ``llm_dir``; the caller describes it.
 
@@ -123,6 +127,7 @@ def load_default_stack(
                 cached_system_prompts=_default_instructions(),
                 prefix_cache_tokens=llm_prefix_cache_tokens,
                 prefix_session_tokens=llm_prefix_session_tokens,
+                choose_functions=llm_choose_functions,
             ),
         )
         llm_lines.append(f"{local.describe()}; loaded in {load_seconds['LLM']:.2f} s")

@@ -223,18 +223,11 @@ def _answer_one(args: argparse.Namespace) -> int:
     except models.ModelError as exc:
         print(f"{preset}: {exc}")
         return 1
-    llm = None
-    if args.no_function_choice:
-        if llm_dir is not None:
-            llm = _llm_without_function_choice(llm_dir, config.llm_threads, temperature_scale)
-        if llm is None:
-            print(f"{preset}: --no-function-choice needs a local LLM engine with a choose_functions option")
-            return 1
     stack = load_default_stack(
         vad_model=prepared.vad,
         whisper_dir=prepared.whisper,
         llm_dir=llm_dir,
-        llm=llm,
+        llm_choose_functions=not args.no_function_choice,
         voices=prepared.voices,
         device="cpu",
         stt_threads=config.stt_threads,
@@ -324,34 +317,6 @@ def _answer_one(args: argparse.Namespace) -> int:
     }
     (args.out / f"answers-{Path(preset).name}.json").write_text(json.dumps(result, indent=1))
     return 0
-
-
-def _llm_without_function_choice(llm_dir: Path, threads: int, temperature_scale: float) -> Any:
-    """The local LLM as the default stack builds it on the CPU, with ``choose_functions=False``; None: no such option.
-
-    :func:`~s2s_rt.engines.default.load_default_stack` does not take the
-    option, so the LLM is built here with the stack's own arguments and
-    handed to it.
-    """
-    import inspect
-
-    from s2s_rt.engines.default import _default_instructions
-    from s2s_rt.engines.device import resolve_device
-    from s2s_rt.engines.llm import CT2ChatLLM
-
-    if "choose_functions" not in inspect.signature(CT2ChatLLM).parameters:
-        return None
-    # Passed by name from a dict, so that this module type-checks against an engine without the option too.
-    off: dict[str, Any] = {"choose_functions": False}
-    return CT2ChatLLM(
-        llm_dir,
-        device="cpu",
-        compute_type=resolve_device("cpu").ct2_compute_type(quantized=True),
-        intra_threads=threads,
-        temperature_scale=temperature_scale,
-        cached_system_prompts=_default_instructions(),
-        **off,
-    )
 
 
 def _seeder(seed: int) -> Any:
