@@ -10,16 +10,24 @@ browser). The page is served from another port, so the offer goes cross-origin
 (a CORS preflight). Chromium's fake microphone plays a tone, then silence, in a
 loop; the server is the fake stack (``s2s_rt.engines.fake``). The browser, the
 DevTools driver and the server process come from :mod:`test_browser`.
+
+On the default stack (real models, in this process), the agent is also made as
+the SDK's users may make it, without instructions, and the microphone asks
+aloud for the weather in Paris (issue 38): the tool must run once and the
+answer use what it returned.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import re
 import threading
 import urllib.request
+import wave
 from collections.abc import Iterator
+from contextlib import contextmanager
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -27,6 +35,18 @@ from typing import Any
 import pytest
 from conftest import requires
 from test_browser import CHROMIUM, Browser, Page, ServerProcess, chromium, fake_server, write_mic_wav
+from test_third_party_clients import (
+    RATE,
+    WEATHER,
+    WEATHER_TURN_S,
+    is_paris,
+    needs_question_voice,
+    spoken_question,
+    uses_the_weather,
+    weather_questions,
+)
+
+from s2s_rt import Config, Server
 
 JS = Path(__file__).resolve().parent / "js"
 BUNDLE = JS / "build" / "agents-realtime.js"
@@ -78,9 +98,9 @@ def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Browser]:
         yield b
 
 
-def mint_secret(server: ServerProcess) -> str:
+def mint_secret(port: int) -> str:
     request = urllib.request.Request(
-        f"http://127.0.0.1:{server.port}/v1/realtime/client_secrets",
+        f"http://127.0.0.1:{port}/v1/realtime/client_secrets",
         data=json.dumps({"expires_after": {"anchor": "created_at", "seconds": 600}}).encode(),
         headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
         method="POST",
@@ -95,7 +115,7 @@ def mint_secret(server: ServerProcess) -> str:
 def session(browser: Browser, server: ServerProcess, page_url: str) -> Iterator[Page]:
     """A page whose RealtimeSession is connected to the server over WebRTC."""
     page = browser.new_page(page_url)
-    config = {"callsUrl": f"http://127.0.0.1:{server.port}/v1/realtime/calls", "apiKey": mint_secret(server)}
+    config = {"callsUrl": f"http://127.0.0.1:{server.port}/v1/realtime/calls", "apiKey": mint_secret(server.port)}
     page.eval(f"window.agentsConfig = {json.dumps(config)}")
     page.click("start")
     try:
@@ -190,3 +210,127 @@ def test_a_tool_call_runs_the_agents_tool_and_its_result_comes_back_in_the_answe
     )
     tool_item = next(i for i in page.eval("s2s.history") if i.get("type") == "function_call")
     assert tool_item["status"] == "completed" and tool_item["output"] == "sunny in Paris", tool_item
+
+
+# --- the default stack -----------------------------------------------------------------------------
+
+
+class DefaultStack:
+    """The default stack's server on a thread of its own (it loads for longer than ``ServerProcess`` waits)."""
+
+    def __init__(self, origin: str) -> None:
+        self.port = 0
+        self._origin = origin
+        self._ready = threading.Event()
+        self._stop: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._failed: BaseException | None = None
+        self._thread = threading.Thread(target=asyncio.run, args=(self._serve(),), daemon=True)
+
+    async def _serve(self) -> None:
+        config = Config(port=0, stack="default", pool_size=1, api_keys=[KEY], allowed_origins=[self._origin])
+        try:
+            async with Server(config) as server:
+                self.port = server.port
+                self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+                self._ready.set()
+                await self._stop.wait()
+        except BaseException as exc:
+            self._failed = exc
+            raise
+        finally:
+            self._ready.set()
+
+    def start(self) -> None:
+        self._thread.start()
+        assert self._ready.wait(300) and self._failed is None and self.port, self._failed
+
+    def stop(self) -> None:
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(60)
+
+
+@contextmanager
+def default_stack(origin: str) -> Iterator[DefaultStack]:
+    server = DefaultStack(origin)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def write_speech_wav(path: Path, pcm: bytes, *, lead_s: float, tail_s: float) -> Path:
+    """Silence, ``pcm`` (PCM16 at 24 kHz), silence: the fake microphone says it once per loop."""
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(RATE)
+        w.writeframes(bytes(int(RATE * lead_s) * 2) + pcm + bytes(int(RATE * tail_s) * 2))
+    return path
+
+
+@pytest.mark.slow
+@needs_question_voice
+@weather_questions
+def test_default_instructions_spoken_weather_question_runs_the_tool_once_and_answers_with_it(
+    page_url: str, tmp_path: Path, question: str
+) -> None:
+    """No instructions (the SDK sends ``instructions: ""``), the SDK's default session (``semantic_vad``, audio
+    out), one ``get_weather`` tool returning an object, and the question from the microphone."""
+    origin = page_url.rsplit("/", 1)[0]
+    # Time to connect before the question (the fake microphone starts with the capture), and no second
+    # question before the answer: the page mutes itself once the turn is committed.
+    wav = write_speech_wav(tmp_path / "question.wav", spoken_question(question), lead_s=4.0, tail_s=WEATHER_TURN_S)
+    with default_stack(origin) as server, chromium(wav) as browser:
+        page = browser.new_page(page_url)
+        config = {
+            "callsUrl": f"http://127.0.0.1:{server.port}/v1/realtime/calls",
+            "apiKey": mint_secret(server.port),
+            "instructions": None,
+            "toolResult": WEATHER,
+        }
+        page.eval(f"window.agentsConfig = {json.dumps(config)}")
+        page.click("start")
+
+        def what_happened() -> str:
+            heard = [e["transcript"] for e in events(page, "conversation.item.input_audio_transcription.completed")]
+            said = [
+                c.get("transcript") or c.get("text")
+                for d in events(page, "response.done")
+                for o in d["response"]["output"]
+                if o["type"] == "message"
+                for c in o["content"]
+            ]
+            return f"asked {question!r}, heard {heard}, tool ran for {page.eval('s2s.toolRuns')}, said {said}"
+
+        try:
+            page.wait_for("s2s.state !== 'connecting' && s2s.state !== 'idle'", timeout=30)
+            assert page.eval("s2s.state") == "connected", page.eval("s2s.error")
+            updated = events(page, "session.updated")[-1]["session"]
+            page.wait_for("s2s.transportEvents.some((e) => e.type === 'input_audio_buffer.committed')", timeout=60)
+            page.eval("session.mute(true)")
+            first = page.wait_for(
+                "s2s.transportEvents.find((e) => e.type === 'response.done')", timeout=WEATHER_TURN_S / 2
+            )
+            assert [o["type"] for o in first["response"]["output"]] == ["function_call"], what_happened()
+            page.wait_for("s2s.toolEnds.length > 0", timeout=30)
+            done = page.wait_for(
+                "s2s.transportEvents.find((e) => e.type === 'response.done'"
+                " && e.response.output.some((o) => o.type === 'message'))",
+                timeout=WEATHER_TURN_S / 2,
+            )
+            print(f"\n@openai/agents-realtime, instructions {updated.get('instructions')!r}: {what_happened()}")
+            runs = page.eval("s2s.toolRuns")
+            assert len(runs) == 1 and is_paris(runs[0]["city"]), what_happened()
+            assert len(page.eval("s2s.toolEnds")) == 1, what_happened()
+            [message] = [o for o in done["response"]["output"] if o["type"] == "message"]
+            said = " ".join(c.get("transcript") or c.get("text") or "" for c in message["content"])
+            assert uses_the_weather(said), what_happened()
+            assert page.eval("s2s.errors") == []
+        finally:
+            try:
+                page.eval("window.session && window.session.close()")
+            finally:
+                browser.close_pages()

@@ -17,19 +17,31 @@ Each library gets a text turn, a spoken turn, a tool call round trip through the
 library's own tool machinery, and an interruption. Every test also asserts that
 the library logged no warning or error and reported no error event: a server
 event the client cannot take, or a client event the server rejects, fails it.
+
+On the default stack (real models), each library is also set up as its users
+set it up, with its own default instructions and turn detection, and asked
+aloud for the weather in Paris (issue 38): the tool must run once and the
+answer use what it returned.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
+import itertools
 import json
 import logging
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
-from conftest import live_server, require_module, run, silence, tone
+import pytest
+from conftest import live_server, require_module, requires, run, silence, tone
+
+from s2s_rt.audio import float_to_pcm16, resample
+from s2s_rt.engines.base import PIPELINE_RATE
+from s2s_rt.evaluation.voices import Voice, missing_programs, say
 
 RATE = 24_000
 CHUNK_S = 0.1  # both libraries are fed 100 ms of PCM16 at a time
@@ -59,6 +71,52 @@ def needs_agents() -> None:
 
 def needs_livekit() -> None:
     require_module("livekit.plugins.openai.realtime", "livekit-plugins-openai is not installed")
+
+
+# --- a question asked aloud, on the default stack ---------------------------------------------------
+
+#: What each library's user asks, aloud, in a voice unlike the server's own (flite's, the same every run):
+#: the question of issue 38, and the same need asked as advice (the wording the default model answers without
+#: a call on the tool evaluation of issue 38).
+WEATHER_QUESTIONS = {"weather": "What is the weather in Paris?", "what-to-wear": "What should I wear in Paris today?"}
+QUESTION_VOICE = Voice("flite", "slt")
+#: ``@weather_questions`` runs a test once for each of :data:`WEATHER_QUESTIONS`, as ``question``.
+weather_questions = pytest.mark.parametrize("question", WEATHER_QUESTIONS.values(), ids=WEATHER_QUESTIONS.keys())
+#: What each library's get_weather tool returns: nothing a model could guess.
+WEATHER = {"temperature_c": 17, "conditions": "light rain"}
+#: The weather on the default stack can wait for two answers, each reading a prompt with the tool in it.
+WEATHER_TURN_S = 2 * 90 + 60
+
+needs_question_voice = requires(
+    not missing_programs((QUESTION_VOICE,)), "flite is not installed (apt-get install flite)"
+)
+
+
+def spoken_question(text: str) -> bytes:
+    """``text`` said by :data:`QUESTION_VOICE`, as PCM16 at 24 kHz."""
+    return float_to_pcm16(resample(say(QUESTION_VOICE, text), PIPELINE_RATE, RATE))
+
+
+async def microphone(send: Callable[[bytes], Awaitable[None] | None], pcm: bytes) -> None:
+    """A microphone at real-time pace: half a second of silence, ``pcm``, then silence until cancelled."""
+    loop = asyncio.get_running_loop()
+    at = loop.time()
+    quiet = bytes(int(RATE * CHUNK_S) * 2)
+    for chunk in itertools.chain(chunks(silence(0.5) + pcm), itertools.repeat(quiet)):
+        sent = send(chunk)
+        if inspect.isawaitable(sent):
+            await sent
+        at += len(chunk) / 2 / RATE
+        await asyncio.sleep(max(0.0, at - loop.time()))
+
+
+def uses_the_weather(said: str) -> bool:
+    """Whether an answer says what :data:`WEATHER` says (17 degrees, light rain: an umbrella, a raincoat)."""
+    return re.search(r"\b17\b|seventeen|\brain|umbrella", said, re.IGNORECASE) is not None
+
+
+def is_paris(city: str) -> bool:
+    return re.fullmatch(r"paris(,? france)?", city.strip().lower()) is not None
 
 
 # --- what the libraries log ------------------------------------------------------------------------
@@ -347,6 +405,62 @@ def test_agents_tool_round_trip_on_the_default_stack_runs_the_tool_once_and_spea
     run(scenario(), timeout=150)
 
 
+@pytest.mark.slow
+@needs_question_voice
+@weather_questions
+def test_agents_default_instructions_spoken_weather_question_runs_the_tool_once_and_answers_with_it(
+    question: str,
+) -> None:
+    """An agent as the SDK makes it without instructions (it sends ``instructions: ""``), the SDK's default
+    session (``semantic_vad``, audio out), one ``get_weather`` tool returning a dict, and the question asked
+    aloud."""
+
+    async def scenario() -> None:
+        from agents import function_tool
+        from agents.realtime import RealtimeAgent
+        from test_tool_round_trips import default_server
+
+        calls: list[str] = []
+
+        @function_tool
+        def get_weather(city: str) -> dict[str, Any]:
+            """Get the current weather in a city."""
+            calls.append(city)
+            return WEATHER
+
+        async with default_server() as server:
+            agent = RealtimeAgent(name="Assistant", tools=[get_weather])
+            async with agents_session(server, agent) as r:
+                session = r.server("session.updated")[-1]["session"]
+                mic = asyncio.create_task(microphone(r.session.send_audio, spoken_question(question)))
+
+                def what_happened() -> str:
+                    heard = [e["transcript"] for e in r.server("conversation.item.input_audio_transcription.completed")]
+                    return f"asked {question!r}, heard {heard}, tool ran for {calls}, said {r.assistant_transcripts()}"
+
+                try:
+                    first = await r.wait_for(lambda e: _raw_type(e) == "response.done", timeout=WEATHER_TURN_S / 2)
+                    output = first.data.data["response"]["output"]
+                    assert [o["type"] for o in output] == ["function_call"], what_happened()
+                    await r.wait_for(lambda e: e.type == "tool_end", timeout=30)
+                    await r.wait_for(
+                        lambda e: _raw_type(e) == "response.done" and _first_output(e)["type"] == "message",
+                        timeout=WEATHER_TURN_S / 2,
+                    )
+                    await r.turn_end(timeout=30)
+                finally:
+                    mic.cancel()
+                print(f"\nopenai-agents, instructions {session.get('instructions')!r}: {what_happened()}")
+                assert len(calls) == 1 and is_paris(calls[0]), what_happened()
+                assert len([e for e in r.events if e.type == "tool_end"]) == 1, what_happened()
+                said = r.assistant_transcripts()[-1]
+                assert uses_the_weather(said), what_happened()
+                r.assert_clean()
+
+    needs_agents()
+    run(scenario(), timeout=WEATHER_TURN_S + 60)
+
+
 def test_agents_barge_in_cancels_the_answer() -> None:
     async def scenario() -> None:
         from agents.realtime import RealtimeAgent
@@ -583,6 +697,83 @@ def test_livekit_tool_call_round_trip() -> None:
 
     needs_livekit()
     run(scenario(), timeout=30)
+
+
+#: LiveKit's Agent must be given instructions: these are its voice AI quickstart's.
+LIVEKIT_QUICKSTART_INSTRUCTIONS = "You are a helpful voice AI assistant."
+
+
+@pytest.mark.slow
+@needs_question_voice
+@weather_questions
+def test_livekit_quickstart_instructions_spoken_weather_question_runs_the_tool_once_and_answers_with_it(
+    question: str,
+) -> None:
+    """The RealtimeModel's defaults (``semantic_vad``, audio out), driven as LiveKit's AgentActivity drives it:
+    the agent's instructions and tools set on the session, the call run by the library, its output put in the
+    chat context and a reply asked for with ``tool_choice="auto"``."""
+
+    async def scenario() -> None:
+        from livekit import rtc
+        from livekit.agents import llm
+        from livekit.agents.llm.utils import execute_function_call
+        from test_tool_round_trips import default_server
+
+        calls: list[str] = []
+
+        @llm.function_tool
+        async def get_weather(city: str) -> dict[str, Any]:
+            """Get the current weather in a city.
+
+            Args:
+                city: the city
+            """
+            calls.append(city)
+            return WEATHER
+
+        def push(pcm: bytes) -> None:
+            r.session.push_audio(rtc.AudioFrame(pcm, RATE, 1, len(pcm) // 2))
+
+        async with default_server() as server, livekit_session(server) as r:
+            await r.session.update_instructions(LIVEKIT_QUICKSTART_INSTRUCTIONS)
+            await r.session.update_tools([get_weather])
+            await r.wait_server("session.updated", 3)
+            session = r.server("session.updated")[-1]["session"]
+            assert session["instructions"] == LIVEKIT_QUICKSTART_INSTRUCTIONS, session
+            assert [t["name"] for t in session["tools"]] == ["get_weather"], session
+            said: list[str] = []
+
+            def what_happened() -> str:
+                heard = [t.transcript for t in r.transcriptions if t.is_final]
+                return f"asked {question!r}, heard {heard}, tool ran for {calls}, said {said}"
+
+            mic = asyncio.create_task(microphone(push, spoken_question(question)))
+            try:
+                gen = await asyncio.wait_for(r.generations.get(), WEATHER_TURN_S / 2)
+                texts, _, fcalls = await asyncio.wait_for(read_generation(gen), WEATHER_TURN_S / 2)
+                said.extend(texts)
+                assert [c.name for c in fcalls] == ["get_weather"], what_happened()
+                result = await execute_function_call(
+                    llm.FunctionToolCall(name=fcalls[0].name, arguments=fcalls[0].arguments, call_id=fcalls[0].call_id),
+                    llm.ToolContext([get_weather]),
+                )
+                chat_ctx = r.session.chat_ctx.copy()
+                chat_ctx.items.append(result.fnc_call_out)
+                await r.session.update_chat_ctx(chat_ctx)
+                answer = await asyncio.wait_for(r.session.generate_reply(tool_choice="auto"), WEATHER_TURN_S / 2)
+                texts, audio, more_calls = await asyncio.wait_for(read_generation(answer), WEATHER_TURN_S / 2)
+                said.extend(texts)
+            finally:
+                mic.cancel()
+            print(f"\nLiveKit, instructions {session.get('instructions')!r}: {what_happened()}")
+            assert len(calls) == 1 and is_paris(calls[0]), what_happened()
+            assert not more_calls, what_happened()
+            assert uses_the_weather(" ".join(texts)), what_happened()
+            assert len(audio) > RATE  # more than half a second of PCM16
+            r.assert_clean()
+
+    needs_livekit()
+    run(scenario(), timeout=WEATHER_TURN_S + 60)
 
 
 def test_livekit_interrupt_cancels_the_answer() -> None:

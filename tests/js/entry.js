@@ -58,10 +58,12 @@ async function start() {
     parameters: z.object({ city: z.string() }),
     execute: async ({ city }) => {
       s2s.toolRuns.push({ city });
-      return `sunny in ${city}`;
+      return config.toolResult ?? `sunny in ${city}`;
     },
   });
-  const agent = new RealtimeAgent({ name: 'Assistant', instructions: 'Answer briefly.', tools: [getWeather] });
+  // instructions: null leaves them to the SDK (an agent without any, as its users may write it).
+  const instructions = config.instructions === null ? {} : { instructions: config.instructions ?? 'Answer briefly.' };
+  const agent = new RealtimeAgent({ name: 'Assistant', ...instructions, tools: [getWeather] });
   const transport = new OpenAIRealtimeWebRTC({ baseUrl: config.callsUrl });
   const session = new RealtimeSession(agent, { transport });
   window.session = session;
