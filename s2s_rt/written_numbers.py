@@ -89,6 +89,8 @@ def _number(m: re.Match[str]) -> str:
     said = m.group()
     if said.lower() in ("one", "zero"):  # "one of them", "zero in on": words, not amounts
         return said
+    if said[0].isupper() and m.string[: m.start()].rstrip()[-1:] not in ("", ".", "!", "?", ":"):
+        return said  # capitalised inside a sentence: a name ("The Four Seasons", "Ocean's Eleven")
     value = number(said)
     return said if value is None else str(value)
 

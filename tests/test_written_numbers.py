@@ -31,6 +31,8 @@ from s2s_rt.written_numbers import number, written
         ("two hundred and fifty dollars", "250 dollars"),
         ("Set it to eighteen point five degrees.", "Set it to 18.5 degrees."),
         ("a table for two", "a table for 2"),
+        ("Twenty euros in dollars, please.", "20 euros in dollars, please."),
+        ("Thanks. Fifty pounds to yen?", "Thanks. 50 pounds to yen?"),
     ],
 )
 def test_times_and_amounts_in_words_are_written_in_digits(said: str, digits: str) -> None:
@@ -42,6 +44,8 @@ def test_times_and_amounts_in_words_are_written_in_digits(said: str, digits: str
     [
         "One of my friends is here.",  # "one" alone is a word, not an amount
         "I have two twenty dollar bills.",  # two numbers, not 22
+        "Who composed The Four Seasons?",  # a name
+        "Play Ocean's Eleven.",
         "What is the capital of Italy?",
         "Quelle heure est-il?",
     ],
