@@ -95,9 +95,15 @@ def _number(m: re.Match[str]) -> str:
     return said if value is None else str(value)
 
 
-def _hour(said: str) -> int:
+def _whole(said: str) -> int:
+    """A whole number in digits or words ("7", "seven"); 0 if it is not one."""
     value = int(said) if said.isdigit() else number(said)
     return int(value or 0)
+
+
+def _minutes(said: str) -> int:
+    """Minutes as said after an hour: "15", "fifteen", "oh five"."""
+    return _whole(re.sub(r"\boh\b", "", said).strip())
 
 
 def _clock(hour: int, minutes: int, m: re.Match[str]) -> str:
@@ -111,8 +117,8 @@ def _clock(hour: int, minutes: int, m: re.Match[str]) -> str:
 
 
 def _relative(m: re.Match[str]) -> str:
-    hour = _hour(m["hour"])
-    minutes = 15 if m["quarter"] else 30 if m["half"] else int(number(m["minutes"].replace("oh", "")) or 0)
+    hour = _whole(m["hour"])
+    minutes = 15 if m["quarter"] else 30 if m["half"] else _minutes(m["minutes"])
     if hour > 12 or minutes >= 60:
         return m.group()
     if m["way"].lower() in ("to", "before"):
@@ -124,8 +130,8 @@ def _plain(m: re.Match[str]) -> str:
     said = m["minutes"]
     if said is None and not (m["oclock"] or m["morning"] or m["later"]):
         return m.group()  # "for two", "at five": a number, not a time
-    hour = _hour(m["hour"])
-    minutes = 0 if said is None else int(said) if said.isdigit() else int(number(said.replace("oh", "")) or 0)
+    hour = _whole(m["hour"])
+    minutes = 0 if said is None else _minutes(said)
     if hour > 24 or minutes >= 60:
         return m.group()
     return f"{m['lead']} {_clock(hour, minutes, m)}"
