@@ -21,6 +21,10 @@ from s2s_rt.engines.languages import language_code, language_name
 from s2s_rt.protocol.config import SessionConfig
 from s2s_rt.written_numbers import written
 
+#: The longest user turn whose numbers are written in digits: this runs on the event loop, at about 1 µs a
+#: character (0.2-0.5 s for a 200-350 kB message); a spoken request is a few hundred characters.
+WRITTEN_MAX_CHARS = 4000
+
 #: The instructions of a session whose client gives none.
 DEFAULT_INSTRUCTIONS = SessionConfig().instructions
 #: Worked examples that follow :data:`DEFAULT_INSTRUCTIONS` when no functions
@@ -124,7 +128,7 @@ def with_answer_context(
     """
     words = messages[-1].content if messages and messages[-1].role == "user" else ""
     date, clock = asks_date(words), asks_time(words)
-    if words and tools and (digits := written(words)) != words:
+    if words and tools and len(words) <= WRITTEN_MAX_CHARS and (digits := written(words)) != words:
         # A function's arguments want digits: "a quarter to six" is shown as "5:45" (s2s_rt.written_numbers).
         words = digits
         messages = [*messages[:-1], ChatMessage("user", words)]

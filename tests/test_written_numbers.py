@@ -57,3 +57,14 @@ def test_words_that_are_not_one_amount_or_time_stay_as_they_are(said: str) -> No
 @given(st.integers(min_value=2, max_value=999_999_999))
 def test_any_number_said_in_words_is_read_back(n: int) -> None:
     assert number(cardinal(n)) == n
+
+
+def test_with_functions_offered_the_users_last_words_are_shown_in_digits_unless_too_long_for_the_loop() -> None:
+    from s2s_rt.engines.base import ChatMessage
+    from s2s_rt.spoken_answer import WRITTEN_MAX_CHARS, with_answer_context
+
+    short = with_answer_context([ChatMessage("user", "Wake me at a quarter to six.")], tools=True)
+    assert short[-1].content == "Wake me at 5:45."
+    assert with_answer_context([ChatMessage("user", "Wake me at a quarter to six.")])[-1].content.endswith("six.")
+    long = "Wake me at a quarter to six. " * (WRITTEN_MAX_CHARS // 20)
+    assert with_answer_context([ChatMessage("user", long)], tools=True)[-1].content == long
