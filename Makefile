@@ -66,7 +66,9 @@ serve: install
 	$(BIN)/s2s-rt serve $(ARGS)
 
 # The browser bundle of @openai/agents-realtime that tests/test_agents_realtime_browser.py drives in
-# Chromium (Node 20 and npm): `npm ci` when the lock file changes, esbuild when the entry does.
+# Chromium (Node 20 or newer, and npm): `npm ci` when the lock file changes, esbuild when the entry does.
+# npm warns that the bundled openai package asks for Node 22: it runs in Chromium, and only npm and
+# esbuild (Node 18 or newer) run in Node.
 AGENTS_JS_DIR := tests/js
 AGENTS_JS     := $(AGENTS_JS_DIR)/build/agents-realtime.js
 

@@ -22,10 +22,9 @@ class ConfigError(ValueError):
     """A configuration value that cannot be used; the message says which."""
 
 
-#: ``speculate_after_ms`` on the default stack: two of Silero's 32 ms windows, so the turn so far is transcribed
-#: about 70 ms after the last voiced window (130-140 ms at 100, 160 ms at 150). Measured on 2 cores, single-fresh:
-#: the answer's first audio as much sooner, and no more speculations dropped than at 100 in three voices
-#: (BENCHMARKS.md, "The work before the first word").
+#: ``speculate_after_ms`` on the default stack: two of Silero's 32 ms VAD windows of silence, the shortest wait
+#: tried that drops no more speculative transcripts than longer ones while bringing the answer's first audio
+#: sooner (BENCHMARKS.md, "The work before the first word").
 DEFAULT_SPECULATE_AFTER_MS = 64
 
 
@@ -56,9 +55,8 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: Deadline of one engine call (for streams: of each piece), per stage kind.
     vad_timeout_s: float = 5.0
     stt_timeout_s: float = 30.0
-    #: The LLM's first piece follows the whole prompt: on a 2-core AMD EPYC a 600-token prompt with tools is
-    #: read in about 15 s and its function chosen in about 5 s more. 60 s was tried: the bounded surface
-    #: fuzzer failed 2 runs of 2 on loop lag (make fuzz also saw a calm call's slot held), 1 of 4 at 30 s.
+    #: The LLM's first piece comes only after the whole prompt is read: 30 s leaves room for a long prompt with
+    #: tools on a slow CPU, and 60 s made ``make fuzz`` fail (commit f9eb5d3).
     llm_timeout_s: float = 30.0
     tts_timeout_s: float = 30.0
 
@@ -77,14 +75,14 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: A connection whose events are refused by the rate limit for this many seconds in a row is closed (1008).
     flood_close_s: float = 5.0
 
-    #: ``auto`` (uvloop's event loop when the ``uvloop`` package is installed, as it is by default: at
-    #: 200 listening sessions it took 34-37 µs of the loop's CPU per client event against 41-44 µs for
-    #: asyncio's, measured side by side), ``uvloop`` or ``asyncio`` (the standard one).
+    #: ``auto`` (uvloop's event loop when the ``uvloop`` package is installed, as it is by default: it costs
+    #: the loop less CPU per client event than asyncio's; BENCHMARKS.md, "History"), ``uvloop`` or ``asyncio``
+    #: (the standard one).
     event_loop: str = "auto"
 
     # Listening (load shedding)
-    #: All sessions' new audio is heard in one batch per tick (10 ms: at 200 listening sessions the
-    #: probe p50 was 13-14 ms and p99 39-61 ms, against 23-26 ms and 39-81 ms with 20 ms ticks).
+    #: All sessions' new audio is heard in one batch per tick, so a chunk waits at most this long for its batch.
+    #: 10 ms holds more sessions, deciding sooner, than 20 ms did (BENCHMARKS.md, "How many sessions", "History").
     listen_tick_ms: float = 10.0
     #: Most seconds of one session's audio heard per tick (100x real time at the defaults).
     listen_s_per_tick: float = 1.0
@@ -93,8 +91,8 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: While audio waits this long, no new session is admitted (``/readyz`` 503); again below half of it.
     shed_after_ms: float = 250.0
     #: A session is admitted only while listening, with every admitted session and the new one streaming,
-    #: is predicted busy at most this fraction of the time (cost per session measured as it runs). On the
-    #: 2-core machine, p99 chunk -> VAD decision stayed under 50 ms up to about 0.55 (~140 sessions).
+    #: is predicted busy at most this fraction of the time (cost per session measured as it runs). 0.55 is
+    #: the most that kept p99 chunk -> VAD decision under 50 ms (BENCHMARKS.md, "How many sessions").
     max_listening_load: float = 0.55
 
     # Memory budget per session (MiB); each bound is enforced and shown in /metrics
@@ -156,8 +154,8 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     vad_threads: int = 1
     stt_threads: int = 1
     llm_threads: int = 2
-    #: Two: the LLM pauses while an answer's first clause is made into speech, so Piper has both cores then
-    #: (its step 120-150 -> 100-120 ms on 2 cores, alone and with two sessions; BENCHMARKS.md).
+    #: Two: the LLM pauses while an answer's first clause is made into speech, so Piper has both cores then,
+    #: and the first clause is spoken sooner (BENCHMARKS.md, "The work before the first word").
     tts_threads: int = 2
     #: The STT, LLM and TTS threads run this much nicer (Linux nice steps, 0-19) than the event loop
     #: and the VAD, so that when the cores are full, answers wait rather than every session's VAD
@@ -256,6 +254,16 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             except ValueError:
                 raise ConfigError(f"trusted_proxies: {proxy!r} is not an address or network") from None
         return self
+
+
+def mib(mebibytes: float) -> int:
+    """A size given in MiB (as the settings give sizes), in bytes."""
+    return int(mebibytes * 1024 * 1024)
+
+
+#: Every setting at its default, what ``s2s-rt serve`` runs with when nothing is set: code that takes a setting
+#: as a parameter defaults to this rather than restating the value. Read it; never change it.
+DEFAULTS = Config()
 
 
 def port_range(text: str) -> range:

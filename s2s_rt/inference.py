@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import os
 import threading
@@ -109,6 +110,8 @@ class StagePool:
         #: Engine calls and streams running on a thread now (overdue ones included).
         self.running = 0
         self._lock = threading.Lock()
+        #: Who waits in :meth:`idle` (each on its loop), woken when :attr:`running` falls to 0.
+        self._idle_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
 
     def _counted(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         with self._lock:
@@ -116,8 +119,29 @@ class StagePool:
         try:
             return fn(*args, **kwargs)
         finally:
+            woken: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
             with self._lock:
                 self.running -= 1
+                if not self.running:
+                    woken, self._idle_waiters = self._idle_waiters, []
+            for loop, waiter in woken:
+                with contextlib.suppress(RuntimeError):  # its loop is closed: a call that outlived the server
+                    loop.call_soon_threadsafe(_wake, waiter)
+
+    async def idle(self) -> None:
+        """Wait until no engine call or stream runs on this pool's threads (:attr:`running` is 0)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            with self._lock:
+                if not self.running:
+                    return
+                waiter: asyncio.Future[None] = loop.create_future()
+                self._idle_waiters.append((loop, waiter))
+            try:
+                await waiter  # woken when it fell to 0; another call may have begun since: looked at again
+            finally:
+                with self._lock, contextlib.suppress(ValueError):
+                    self._idle_waiters.remove((loop, waiter))
 
     def _set_capacity(self) -> None:
         # ThreadPoolExecutor starts a new thread per submit while below
@@ -241,6 +265,11 @@ class StagePool:
 
     def shutdown(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 class _Failure:

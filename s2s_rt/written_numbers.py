@@ -9,8 +9,9 @@ thousand kronor" → ``100000``: 7 of 32 requests in the function-calling
 evaluation). With functions offered, the user's words are shown to it with
 those written in digits (:func:`written`): a time with a marker of the day
 ("in the evening", "pm") on a 24-hour clock, one without as said ("5:30"
-for "half past five"), amounts as numbers. English only; other words pass
-unchanged.
+for "half past five"), amounts as numbers, a day of a month as "June 20", digits said one by one (three
+or more: "BA one one seven" → "BA 117") as one number. English only; other
+words pass unchanged.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ _NUMBER = re.compile(
 )
 _HOUR = r"(?:one|two|three|four|five|six|seven|eight|nine|ten|eleven|twelve|\d{1,2})"
 _MINUTES = rf"(?:(?:oh[\s-]+)?(?:{'|'.join(_UNITS[1:10])})|{'|'.join(_UNITS[10:])}|(?:{'|'.join(_TENS[:4])})(?:[\s-]+(?:{'|'.join(_UNITS[1:10])}))?)"  # noqa: E501
-_MORNING = r"in\s+the\s+morning|a\.?m\.?"
-_LATER = r"in\s+the\s+afternoon|in\s+the\s+evening|at\s+night|tonight|p\.?m\.?"
+_MORNING = r"(?:in\s+the|this)\s+morning|a\.?m\.?"
+_LATER = r"(?:in\s+the|this)\s+(?:afternoon|evening)|at\s+night|tonight|p\.?m\.?"
 _MARKER = rf"(?:\s*(?P<morning>{_MORNING})|\s*(?P<later>{_LATER}))?"
 #: Clock times, the hour and minutes named: "a quarter to six", "ten past seven", "half past five".
 _RELATIVE = re.compile(
@@ -48,6 +49,23 @@ _PLAIN = re.compile(
     rf"(?:(?:\s+|:)(?P<minutes>{_MINUTES}|\d{{2}}))?(?P<oclock>\s+o'?clock)?\b{_MARKER}",
     re.IGNORECASE,
 )
+_ORDINALS = (
+    "first second third fourth fifth sixth seventh eighth ninth tenth eleventh twelfth thirteenth fourteenth"
+    " fifteenth sixteenth seventeenth eighteenth nineteenth"
+).split()
+_DAYS = {word: n + 1 for n, word in enumerate(_ORDINALS)} | {"twentieth": 20, "thirtieth": 30}
+_DAYS |= {f"twenty{sep}{word}": 20 + n + 1 for n, word in enumerate(_ORDINALS[:9]) for sep in ("-", " ")}
+_DAYS |= {f"thirty{sep}first": 31 for sep in ("-", " ")}
+_MONTH = "january|february|march|april|may|june|july|august|september|october|november|december"
+_DAY = "|".join(sorted(_DAYS, key=len, reverse=True))
+#: A day of a month said as an ordinal: "the twentieth of June", "June the twenty-fifth", "on July third".
+_DATE = re.compile(
+    rf"\b(?:(?:the\s+)?(?P<day>{_DAY})\s+of\s+(?P<month>{_MONTH})|(?P<month2>{_MONTH})\s+(?:the\s+)?(?P<day2>{_DAY}))\b",
+    re.IGNORECASE,
+)
+_DIGIT = "zero|oh|one|two|three|four|five|six|seven|eight|nine"
+#: Digits said one by one, three or more: a flight, an order or a phone number ("BA one one seven", "six oh five").
+_DIGITS = re.compile(rf"\b(?!oh\b)(?:{_DIGIT})(?:[\s-]+(?:{_DIGIT})){{2,}}\b", re.IGNORECASE)
 _NOON = re.compile(r"\b(?P<lead>at|for|by|until|till|around|about|from)\s+(?P<word>noon|midday|midnight)\b", re.I)
 
 
@@ -56,6 +74,8 @@ def written(text: str) -> str:
     text = _RELATIVE.sub(_relative, text)
     text = _PLAIN.sub(_plain, text)
     text = _NOON.sub(lambda m: f"{m['lead']} {'00:00' if m['word'].lower() == 'midnight' else '12:00'}", text)
+    text = _DATE.sub(_date, text)
+    text = _DIGITS.sub(_digits, text)
     return _NUMBER.sub(_number, text)
 
 
@@ -93,6 +113,19 @@ def _number(m: re.Match[str]) -> str:
         return said  # capitalised inside a sentence: a name ("The Four Seasons", "Ocean's Eleven")
     value = number(said)
     return said if value is None else str(value)
+
+
+def _date(m: re.Match[str]) -> str:
+    month, day = (m["month"] or m["month2"]), _DAYS[re.sub(r"\s+", " ", (m["day"] or m["day2"]).lower())]
+    return f"{month.capitalize()} {day}"
+
+
+def _digits(m: re.Match[str]) -> str:
+    before = m.string[: m.start()].split()
+    if before and before[-1].lower().rstrip("-") in _TENS:
+        return m.group()  # "twenty one two three": not digits one by one
+    said = m.group().lower().replace("-", " ").split()
+    return "".join("0" if word == "oh" else str(_VALUES[word]) for word in said)
 
 
 def _whole(said: str) -> int:

@@ -200,3 +200,61 @@ def test_the_answer_begun_ahead_speaks_its_first_clause_alone_and_the_waterfall_
     assert tts.texts[:2] == ["Sure, I can tell you.", "It is a fine day."]
     assert len(tts.texts) == len(set(tts.texts)), tts.texts  # each clause's speech made once
     assert 0 < steps["first_clause"] <= steps["synthesised"] <= steps["audio_sent"], steps
+
+
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
+
+
+def test_the_request_built_ahead_is_the_one_the_turns_response_builds(monkeypatch: Any) -> None:
+    """The answer begun in the closing silence asks exactly what the turn's response then asks, with every
+    setting that shapes the request in play (instructions, functions and their choice, temperature, token limit,
+    voice, speed, the language heard): the response adopts it only if the two are equal."""
+    from s2s_rt.engines.base import LLMRequest
+    from s2s_rt.pipeline.anticipation import Anticipation
+
+    compared: list[tuple[LLMRequest, LLMRequest]] = []
+    answers = Anticipation.answers
+
+    def recorded(self: Anticipation, request: LLMRequest, speed: float, voice: str) -> bool:
+        compared.append((self.request, request))
+        return answers(self, request, speed, voice)
+
+    monkeypatch.setattr(Anticipation, "answers", recorded)
+    settings = {
+        "instructions": "You are terse. Answer in one sentence.",
+        "tools": [WEATHER],
+        "tool_choice": "auto",
+        "temperature": 0.7,
+        "max_response_output_tokens": 200,
+        "voice": "tone-low",
+        "speed": 1.2,
+    }
+
+    async def scenario() -> tuple[list[dict[str, Any]], float, float]:
+        async with Server(_config()) as server:
+            async with RealtimeClient.connect(server, transcribe=True) as c:
+                await c.send("session.update", session=settings)
+                await c.until("session.updated")
+                await _talk(c, silence(0.3), tone(440, 0.6), silence(0.8))
+                done = await c.until("response.done", timeout=15)
+                assert done["response"]["status"] == "completed"
+                used = _metric(server, 's2s_speculative_responses_total{outcome="used"}')
+                unused = _metric(server, 's2s_speculative_responses_total{outcome="unused"}')
+                return c.events, used, unused
+
+    events, used, unused = run(scenario())
+    assert len(compared) == 1
+    ahead, asked = compared[0]
+    assert asked == ahead
+    # Every setting reached the request compared.
+    assert asked.tools and asked.tools[0]["name"] == "get_weather" and not asked.require_tool
+    assert (asked.temperature, asked.max_tokens) == (0.7, 200)
+    assert settings["instructions"] in asked.messages[0].content
+    heard = next(e for e in events if e["type"] == "conversation.item.input_audio_transcription.completed")
+    assert asked.messages[-1].role == "user" and heard["transcript"] in asked.messages[-1].content
+    assert (used, unused) == (1, 0)

@@ -176,8 +176,8 @@ def test_nothing_of_a_session_stays_referenced_after_it_ends() -> None:
                 await c.append_audio(tone(300, 0.5) + bytes(48_000))
                 await c.until("response.done")
                 slot = server.pool.slots[0]
-                assert slot.ctx is not None
-                session = weakref.ref(slot.ctx.session)
+                assert slot.session is not None
+                session = weakref.ref(slot.session)
             assert await eventually(lambda: _idle(server))
             await asyncio.sleep(0.1)
             gc.collect()

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from conftest import missing
 
-from s2s_rt.evaluation import held_out_tools
+from s2s_rt.evaluation import held_out_tools, third_tools
 from s2s_rt.evaluation.asking import Assistant, CallResult
 from s2s_rt.evaluation.cli import _report
 from s2s_rt.evaluation.grading import is_right, spoken_word_error_rate
@@ -125,16 +125,20 @@ def test_no_held_out_wording_repeats_one_of_the_first_set() -> None:
 _PLACEHOLDERS = {"string": "x", "integer": 1, "number": 1}
 
 
-@pytest.mark.parametrize("request_", [r for r in held_out_tools.REQUESTS if r.function], ids=lambda r: r.text)
-def test_every_held_out_call_is_valid_for_its_tool_and_graded_right(request_: ToolRequest) -> None:
-    tool = next(t for t in held_out_tools.TOOLS if t["name"] == request_.function)
+def _assert_call_is_valid_and_graded_right(request_: ToolRequest, tools: list[dict[str, Any]]) -> None:
+    tool = next(t for t in tools if t["name"] == request_.function)
     properties, required = tool["parameters"]["properties"], tool["parameters"]["required"]
     assert set(request_.arguments) <= set(properties)  # a misspelt name would pass where others are allowed
     arguments: dict[str, Any] = {k: _PLACEHOLDERS[properties[k]["type"]] for k in required}
     arguments |= request_.arguments
-    name, parsed = parse_call(json.dumps({"name": request_.function, "arguments": arguments}), held_out_tools.TOOLS)
+    name, parsed = parse_call(json.dumps({"name": request_.function, "arguments": arguments}), tools)
     assert json.loads(parsed) == arguments
     assert request_.is_right(CallResult([(name, json.loads(parsed))], [], ""))
+
+
+@pytest.mark.parametrize("request_", [r for r in held_out_tools.REQUESTS if r.function], ids=lambda r: r.text)
+def test_every_held_out_call_is_valid_for_its_tool_and_graded_right(request_: ToolRequest) -> None:
+    _assert_call_is_valid_and_graded_right(request_, held_out_tools.TOOLS)
 
 
 #: For each held-out round trip, answers that say its result; each of its patterns matches one of them.
@@ -201,15 +205,19 @@ HELD_OUT_ANSWERS: dict[str, tuple[str, ...]] = {
 }
 
 
-@pytest.mark.parametrize("request_", [r for r in held_out_tools.REQUESTS if r.function], ids=lambda r: r.text)
-def test_every_held_out_pattern_matches_an_answer_that_says_the_result(request_: ToolRequest) -> None:
-    answers = [CallResult([], [], text) for text in HELD_OUT_ANSWERS[request_.text]]
+def _assert_every_pattern_matches_an_answer(request_: ToolRequest, texts: tuple[str, ...]) -> None:
+    answers = [CallResult([], [], text) for text in texts]
     assert all(request_.answer_uses_result(a) for a in answers)
     for pattern in request_.says:
         alone = dataclasses.replace(request_, says=(pattern,))
         assert any(alone.answer_uses_result(a) for a in answers), pattern
     assert not request_.answer_uses_result(CallResult([], [], "Sorry, I can't help with that right now."))
     assert not request_.answer_uses_result(CallResult([], [], request_.output))
+
+
+@pytest.mark.parametrize("request_", [r for r in held_out_tools.REQUESTS if r.function], ids=lambda r: r.text)
+def test_every_held_out_pattern_matches_an_answer_that_says_the_result(request_: ToolRequest) -> None:
+    _assert_every_pattern_matches_an_answer(request_, HELD_OUT_ANSWERS[request_.text])
 
 
 def test_the_report_names_the_tool_set_and_whether_the_function_was_chosen() -> None:
@@ -221,6 +229,131 @@ def test_the_report_names_the_tool_set_and_whether_the_function_was_chosen() -> 
     report = _report({"voices": []}, [result])
     assert "default, function calls on the held-out tool set (5 tools: play_music," in report
     assert "25 requests that need one, 12 that need none), function choice off" in report
+
+
+def test_the_third_set_is_twenty_five_round_trips_over_five_new_tools_and_twelve_without() -> None:
+    needing = [r for r in third_tools.REQUESTS if r.function]
+    names = {t["name"] for t in third_tools.TOOLS}
+    assert len(needing) == 25 and all(r.result and r.says for r in needing)
+    assert len([r for r in third_tools.REQUESTS if r.function is None]) == 12
+    assert len(names) == 5 and {r.function for r in needing} == names
+    assert all(len([r for r in needing if r.function == name]) == 5 for name in names)
+    assert not names & {t["name"] for t in TOOLS + held_out_tools.TOOLS}
+
+
+def test_no_third_set_wording_repeats_one_of_the_other_sets() -> None:
+    others = {r.text.lower() for r in REQUESTS + held_out_tools.REQUESTS}
+    third = [r.text.lower() for r in third_tools.REQUESTS]
+    assert len(set(third)) == len(third)
+    assert not others & set(third)
+
+
+@pytest.mark.parametrize("request_", [r for r in third_tools.REQUESTS if r.function], ids=lambda r: r.text)
+def test_every_third_set_call_is_valid_for_its_tool_and_graded_right(request_: ToolRequest) -> None:
+    _assert_call_is_valid_and_graded_right(request_, third_tools.TOOLS)
+
+
+#: For each round trip of the third set, answers that say its result; each of its patterns matches one of them.
+THIRD_ANSWERS: dict[str, tuple[str, ...]] = {
+    "Put a dentist appointment in my calendar for the third of July at nine thirty in the morning.": (
+        "Your dentist appointment is in the calendar for July 3rd at 9:30 AM.",
+        "Done: dentist, the third of July, half past nine.",
+        "Added for July the third.",
+    ),
+    "I've got a job interview on the twentieth of June at two in the afternoon, can you note that down?": (
+        "Your interview is in the calendar for June 20th at 2 PM.",
+        "Noted for the twentieth at 14:00.",
+        "Saved at fourteen hundred.",
+    ),
+    "Schedule lunch with Priya on June the twenty-fifth at half past twelve.": (
+        "Lunch with Priya is scheduled for June 25th at 12:30.",
+        "Done, the twenty-fifth at half past twelve.",
+    ),
+    "Block out two hours on the first of August at ten in the morning for the team offsite.": (
+        "The team offsite is blocked out on August 1st from 10:00 until noon.",
+        "Done, the first of August, ten to twelve.",
+        "Blocked out for August the first.",
+    ),
+    "My sister's wedding is on the sixteenth of August at three in the afternoon, I don't want to forget it.": (
+        "Your sister's wedding is in the calendar for August 16th at 3 PM.",
+        "Saved for the sixteenth at 15:00.",
+        "Added at fifteen hundred.",
+    ),
+    "Is BA one one seven on time today?": (
+        "Yes, BA117 is on time, leaving at 14:05 from gate B32.",
+        "It leaves at two oh five from gate B thirty-two.",
+    ),
+    "When does Lufthansa four hundred land?": (
+        "LH400 is in the air and lands at 16:20.",
+        "It lands at twenty past four.",
+        "It's due at four twenty this afternoon.",
+    ),
+    "My mum's flying in on easyJet eight one two, has it landed yet?": (
+        "Yes, EZY812 landed at 10:48.",
+        "Your mum's flight landed at ten forty-eight.",
+    ),
+    "Has Air France thirteen seventy-nine been delayed?": (
+        "Yes, AF1379 is delayed by 45 minutes and now leaves at 19:15.",
+        "It now departs at a quarter past seven.",
+        "It's leaving at seven fifteen in the evening.",
+    ),
+    "Which gate does KLM six oh five leave from?": (
+        "KL605 is boarding at gate D7.",
+        "Gate D seven, it's boarding now.",
+    ),
+    "We're out of milk.": ("I've added milk to the list.", "Milk is on your shopping list now."),
+    "Add three tins of chopped tomatoes to the shopping list.": ("Added 3 tins of chopped tomatoes.",),
+    "Don't let me forget to buy bin bags.": ("I've added bin bags.", "Bin bags are on the list."),
+    "Can you put six bananas on the list?": ("Six bananas added.",),
+    "We need two loaves of bread for the weekend.": ("I've added 2 loaves of bread to the list.",),
+    "How do I say 'where is the train station' in Spanish?": (
+        "You'd say: ¿Dónde está la estación de tren?",
+        "Donde esta la estacion de tren.",
+    ),
+    "Translate 'thank you for your help' into Japanese.": (
+        "In Japanese: 手伝ってくれてありがとう (tetsudatte kurete arigatō).",
+        "It's tetsudatte kurete arigato.",
+    ),
+    "I'm writing to my landlord in Berlin, how would I put 'the heating is broken' in German?": (
+        "You can write: Die Heizung ist kaputt.",
+    ),
+    "What's the French for 'I'm allergic to peanuts'?": ("It's: Je suis allergique aux cacahuètes.",),
+    "My neighbour only speaks Italian. Can you help me tell her 'your cat is in my garden'?": (
+        "Tell her: Il tuo gatto è nel mio giardino.",
+    ),
+    "Get me a cab to the airport.": ("Your taxi is booked: Marek will be there in 6 minutes in a grey Toyota Prius.",),
+    "Order me a taxi to the train station for a quarter to seven this evening.": (
+        "Your taxi is booked for 18:45.",
+        "It picks you up at a quarter to seven.",
+        "Booked for six forty-five this evening.",
+    ),
+    "There are seven of us with suitcases, we need a big car to the Hilton.": (
+        "A large taxi is on its way, about 12 minutes.",
+    ),
+    "My grandfather is in a wheelchair, can you call us a taxi to the hospital?": (
+        "An accessible taxi will be there in 15 minutes.",
+        "It'll be with you in a quarter of an hour.",
+    ),
+    "I've missed the last bus and need a ride home.": (
+        "A taxi will pick you up in 9 minutes; the fare should be about £18.50.",
+    ),
+}
+
+
+@pytest.mark.parametrize("request_", [r for r in third_tools.REQUESTS if r.function], ids=lambda r: r.text)
+def test_every_third_set_pattern_matches_an_answer_that_says_the_result(request_: ToolRequest) -> None:
+    _assert_every_pattern_matches_an_answer(request_, THIRD_ANSWERS[request_.text])
+
+
+def test_the_report_names_the_third_tool_set() -> None:
+    calls = [{"expected": r.function, "right": False, "calls": [], "invalid": []} for r in third_tools.REQUESTS]
+    result = {
+        "preset": "default", "typed": [], "spoken": [], "calls": calls, "rss_peak_mb": 900.0,
+        "tool_set": "third", "tools": [t["name"] for t in third_tools.TOOLS], "choose_functions": True,
+    }  # fmt: skip
+    report = _report({"voices": []}, [result])
+    assert "default, function calls on the third tool set (5 tools: create_event," in report
+    assert "25 requests that need one, 12 that need none), function choice on" in report
 
 
 @pytest.mark.slow

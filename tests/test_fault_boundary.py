@@ -167,7 +167,8 @@ def test_switching_to_a_transcription_session_while_a_turn_is_transcribed_answer
                     assert not c.of_type("response.created")
                     assert not c.of_type("error")
             _, body = await http_get(server, "/v1/pool")
-            assert json.loads(body)["states"]["quarantined"] == 0
+            states = json.loads(body)["states"]
+            assert [states[s] for s in ("quarantined", "crashed", "resting")] == [0, 0, 0], states
             await still_serving(server)
 
     run(scenario())

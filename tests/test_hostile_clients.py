@@ -62,7 +62,7 @@ async def free(server: Any, n: int) -> bool:
 
 
 def no_quarantine(server: Any) -> bool:
-    return all(s["state"] != "quarantined" for s in server.pool.describe()["slots"])
+    return all(s["state"] not in ("quarantined", "crashed", "resting") for s in server.pool.describe()["slots"])
 
 
 # --- 1. an event larger than a data channel carries ---------------------------------------------

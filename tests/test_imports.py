@@ -95,6 +95,51 @@ def test_the_pipeline_imports_nothing_from_the_server() -> None:
     assert {k: v for k, v in offenders.items() if v} == {}, "pipeline modules import the server"
 
 
+#: What of the pipeline the server may import: the ports the transports implement. The rest it reaches through
+#: the slot (:class:`~s2s_rt.slot.SessionPort`).
+PIPELINE_PORTS = ("s2s_rt.pipeline.ports",)
+
+
+def test_the_server_reaches_the_pipeline_only_through_the_slot_and_the_ports() -> None:
+    server = [name for name in GRAPH if _in(name, ("s2s_rt.server",))]
+    assert "s2s_rt.server.connection" in server and "s2s_rt.slot" in GRAPH["s2s_rt.server.connection"]
+    offenders = {
+        name: sorted(d for d in GRAPH[name] if _in(d, ("s2s_rt.pipeline",)) and d not in PIPELINE_PORTS)
+        for name in server
+    }
+    assert {k: v for k, v in offenders.items() if v} == {}, (
+        "server modules import pipeline modules other than its ports"
+    )
+
+
+def test_nothing_below_the_server_imports_it() -> None:
+    below = [
+        name
+        for name in GRAPH
+        if _in(name, ("s2s_rt.pipeline", "s2s_rt.listening", "s2s_rt.protocol", "s2s_rt.engines"))
+    ]
+    assert "s2s_rt.listening.clock" in below and "s2s_rt.engines.llm" in below
+    offenders = {name: sorted(d for d in GRAPH[name] if _in(d, ("s2s_rt.server",))) for name in below}
+    assert {k: v for k, v in offenders.items() if v} == {}, "modules below the server import it"
+
+
+def _private_reads(path: Path) -> list[str]:
+    """Where a module reads a private attribute (``x._name``) of anything but itself (``self``, ``cls``)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls", "os")):
+                found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_the_server_reads_no_private_field_of_another_object() -> None:
+    server = [path for name, path in MODULES.items() if _in(name, ("s2s_rt.server",))]
+    assert len(server) > 5
+    assert _private_reads(ROOT / "slot.py"), "the reader finds the slot's port reading its own slot's fields"
+    assert [found for path in server for found in _private_reads(path)] == []
+
+
 def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
     """Strongly connected components of more than one module (Tarjan)."""
     index: dict[str, int] = {}

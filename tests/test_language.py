@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from pathlib import Path
 
 import pytest
@@ -24,14 +23,18 @@ from conftest import requires
 from s2s_rt.engines.base import Float32Array
 from s2s_rt.engines.piper import VoiceConfig, voice_languages
 from s2s_rt.engines.whisper import WhisperSTT
-from s2s_rt.evaluation.voices import FOREIGN_VOICES, Voice, say
+from s2s_rt.evaluation.voices import FOREIGN_VOICES, Voice, missing_programs, say
 from s2s_rt.models import PreparedModels
+
+#: The synthesisers of the voices below (flite, espeak-ng) that are not installed.
+MISSING = missing_programs(FOREIGN_VOICES)
 
 pytestmark = [
     pytest.mark.slow,
     requires(
-        shutil.which("flite") and shutil.which("espeak-ng"),
-        "flite and espeak-ng are not installed (apt-get install -y flite espeak-ng)",
+        not MISSING,
+        f"{' and '.join(MISSING)} {'is' if len(MISSING) == 1 else 'are'} not installed"
+        f" (apt-get install -y {' '.join(MISSING)})",
     ),
 ]
 

@@ -149,20 +149,25 @@ def test_a_slot_moves_only_along_its_table(state: slot.SlotState, event: slot.Sl
     else:
         s.step(event, "because")
         assert s.state is expected
-        assert (s.quarantine_reason is not None) == (expected is slot.SlotState.QUARANTINED)
+        assert (s.quarantine_reason is not None) == (expected in slot.OUT_OF_SERVICE)
 
 
 def test_a_crashed_out_slot_whose_late_drain_ends_rests_then_returns() -> None:
     """Quarantined for a late drain, then crashed out: when the drain ends it rests, and the rest ends."""
 
     async def main() -> None:
-        s = _slot_in(slot.SlotState.QUARANTINED, slot.SlotEvent.CLAIM, slot.SlotEvent.END, slot.SlotEvent.DRAIN_LATE)
-        s.crashed_out = True
+        s = _slot_in(
+            slot.SlotState.CRASHED,
+            slot.SlotEvent.CLAIM,
+            slot.SlotEvent.END,
+            slot.SlotEvent.DRAIN_LATE,
+            slot.SlotEvent.CRASHED_OUT,
+        )
         loop = asyncio.get_running_loop()
         later: list[Any] = []
         loop.call_later = lambda delay, fn, *a: later.append(fn)  # type: ignore[method-assign]
         s._finish_drain()
-        assert s.state is slot.SlotState.QUARANTINED
+        assert s.state is slot.SlotState.RESTING
         assert len(later) == 1, "no rest was scheduled: the slot would stay quarantined for good"
         later[0]()
         assert s.state is slot.SlotState.IDLE

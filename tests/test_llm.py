@@ -412,6 +412,26 @@ def test_a_request_goes_to_the_function_it_needs_and_small_talk_to_none(
         assert json.loads(text.removeprefix("<tool_call>\n").removesuffix("\n</tool_call>")) == call
 
 
+@pytest.mark.parametrize(
+    ("words", "function"),
+    [
+        # Questions on a function's topic that ask nothing of it: one head for all talk lost them to the function.
+        ("Who composed The Four Seasons?", None),
+        ("What temperature should a fridge be kept at?", None),
+        ("What's a kind way to say sorry to a friend?", None),
+        ("Play some Beatles.", "play_music"),
+        ("Set the heating to twenty one degrees.", "set_thermostat"),
+    ],
+)
+def test_a_question_on_a_functions_topic_is_not_sent_to_it(
+    default_llm: CT2ChatLLM, words: str, function: str | None
+) -> None:
+    from s2s_rt.evaluation.held_out_tools import TOOLS
+
+    asked = LLMRequest.of([ChatMessage("user", words)], max_tokens=80, temperature=0, tools=TOOLS)
+    assert default_llm._choose_function(asked, _never) == function
+
+
 def _framed(pieces: list[str], required: bool = False) -> tuple[list[str], str]:
     framing = CallFraming(required)
     return [framing.feed(piece) for piece in pieces], framing.finish()

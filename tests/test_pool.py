@@ -199,7 +199,8 @@ class _Slot:
 
     def __init__(self, state: SlotState) -> None:
         self.state = state
-        self.ctx = None
+        self.session = None
+        self.channel_open = False
         self.on_change: list[Callable[[], None]] = []
 
     def step(self, event: SlotEvent) -> None:

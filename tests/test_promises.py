@@ -97,7 +97,8 @@ def test_slow_engine_call_at_session_end_does_not_take_the_slot_out_of_service()
                 assert time.monotonic() - started < block_s / 2, "served long before the stuck call ends"
                 done = await b.say_text("next client")
                 assert done["response"]["status"] == "completed"
-            assert (await _pool_states(server))["quarantined"] == 0
+            states = await _pool_states(server)
+            assert [states[s] for s in ("quarantined", "crashed", "resting")] == [0, 0, 0], states
 
     run(scenario())
 

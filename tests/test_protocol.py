@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from s2s_rt.audio import AudioFormat
 from s2s_rt.protocol import client_events as ce
 from s2s_rt.protocol.conversation import SpokenSegment, heard_text
-from s2s_rt.protocol.errors import ProtocolError
+from s2s_rt.protocol.errors import ProtocolError, RealtimeError, ServerFault
 from s2s_rt.protocol.server_events import BETA, GA
 from s2s_rt.protocol.session import Session
 
@@ -279,3 +279,13 @@ def test_beta_sessions_name_a_model_the_beta_types_accept_echoing_a_known_one() 
                 assert (await c.until("session.created"))["session"]["model"] == "my-model"
 
     run(scenario())
+
+
+def test_a_fault_of_the_server_is_never_reported_as_the_clients_mistake() -> None:
+    fault = ServerFault("vad_failed", "Voice activity detection failed")
+    mistake = ProtocolError("invalid_json", "not JSON")
+    # Code that handles a client's mistake (``except ProtocolError``) never takes a fault of the server for one.
+    assert not isinstance(fault, ProtocolError) and isinstance(fault, RealtimeError)
+    session = Session(GA)
+    assert session.error(fault).error.type == "server_error"
+    assert session.error(mistake).error.type == "invalid_request_error"

@@ -131,7 +131,7 @@ def check_answer_audio(server: Server, question: str, answer: str, audio: bytes)
 def record_what_is_played(server: Server, call_id: str | None) -> list[np.ndarray]:
     """The frames the server's track for ``call_id`` plays from now (int16, one channel), as the encoder got them."""
     assert server.calls is not None and call_id is not None
-    media = server.calls.calls[call_id].media
+    media = server.calls.calls[call_id].playback
     played: list[np.ndarray] = []
     recv = media.recv
 

@@ -262,7 +262,14 @@ def test_twenty_calls_opened_and_abandoned_leave_every_slot_idle() -> None:
                 for call in calls:
                     await call.close()
             assert opened == 20
-            assert server.pool.states() == {"idle": 4, "active": 0, "draining": 0, "quarantined": 0}
+            assert server.pool.states() == {
+                "idle": 4,
+                "active": 0,
+                "draining": 0,
+                "quarantined": 0,
+                "crashed": 0,
+                "resting": 0,
+            }
             assert not server.calls.calls
 
     run(scenario(), timeout=120)
@@ -560,7 +567,7 @@ def test_calls_doing_anything_in_any_order_leave_the_pool_whole_and_a_calm_sessi
                 await pc.close()
             assert await eventually(lambda: _free(server, 4), 10), server.pool.states()
             assert not server.calls.calls
-            assert server.pool.states()["quarantined"] == 0
+            assert [server.pool.states()[s] for s in ("quarantined", "crashed", "resting")] == [0, 0, 0]
 
     run(scenario(), timeout=90)
 

@@ -33,6 +33,16 @@ from s2s_rt.written_numbers import number, written
         ("a table for two", "a table for 2"),
         ("Twenty euros in dollars, please.", "20 euros in dollars, please."),
         ("Thanks. Fifty pounds to yen?", "Thanks. 50 pounds to yen?"),
+        # Digits said one by one, three or more: one number (a flight, an order, a phone number).
+        ("Is BA one one seven on time today?", "Is BA 117 on time today?"),
+        ("Which gate does KLM six oh five leave from?", "Which gate does KLM 605 leave from?"),
+        ("Check order nine one zero zero two.", "Check order 91002."),
+        ("Set an alarm for six oh five.", "Set an alarm for 6:05."),  # after "for": a time
+        # A day of a month as an ordinal, and a time with "this evening".
+        ("an interview on the twentieth of June at two in the afternoon", "an interview on June 20 at 14:00"),
+        ("lunch on June the twenty-fifth at half past twelve", "lunch on June 25 at 12:30"),
+        ("on March thirty-first", "on March 31"),
+        ("a taxi for a quarter to seven this evening", "a taxi for 18:45"),
     ],
 )
 def test_times_and_amounts_in_words_are_written_in_digits(said: str, digits: str) -> None:
@@ -48,6 +58,8 @@ def test_times_and_amounts_in_words_are_written_in_digits(said: str, digits: str
         "Play Ocean's Eleven.",
         "What is the capital of Italy?",
         "Quelle heure est-il?",
+        "I want two three bedroom flats.",  # two numbers said one by one are not digits of one
+        "May I have the second one?",  # an ordinal without a month is not a date
     ],
 )
 def test_words_that_are_not_one_amount_or_time_stay_as_they_are(said: str) -> None:

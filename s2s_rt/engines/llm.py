@@ -262,7 +262,10 @@ class CT2ChatLLM:
         if generator is None:
             raise RuntimeError(f"the LLM engine for {self.model_dir} is closed")
         tools, require_tool = request.tools, request.require_tool
-        call = self._choose_function(request, should_stop) if self.choose_functions and not require_tool else None
+        call = None
+        if self.choose_functions and tools and not require_tool:
+            call = self._choose_function(request, should_stop)
+            yield ""  # nothing said, the engine alive: a per-piece deadline gives the prompt's reading its own
         chat = self._chat.encode(request.messages, tools, require_tool, call)
         prompt, max_tokens = chat.fit(self.max_context_tokens, request.max_tokens)
         usage.input_tokens = len(prompt)
@@ -440,16 +443,13 @@ class CT2ChatLLM:
         end = max(i for i, token in enumerate(tokens) if token == self._chat.end_id)
         tokens = tokens[:end][-self.max_context_tokens :]  # up to the words, without the turn's end
         with self.lanes.take(len(tokens) >= self.long_reading_tokens, never):
+            prompt = [[self._vocabulary[i] for i in tokens]]
             result = generator.generate_batch(
-                [[self._vocabulary[i] for i in tokens]],
-                max_length=1,
-                sampling_topk=1,
-                return_logits_vocab=True,
-                include_prompt_in_result=False,
+                prompt, max_length=1, return_logits_vocab=True, include_prompt_in_result=False
             )[0]
         logits = np.asarray(result.logits[0][0], dtype=np.float64)
-        probabilities = np.exp(logits - logits.max())
-        return float(probabilities[self._sentence_ends].sum() / probabilities.sum())
+        chance = np.exp(logits - logits.max())
+        return float(chance[self._sentence_ends].sum() / chance.sum())
 
     def _choose_function(self, request: LLMRequest, should_stop: StopCheck) -> str | None:
         """The function the user's last words need, chosen by likelihood (:mod:`.function_choice`); None: none."""

@@ -17,9 +17,10 @@
    questions.
 
 The function-calling set is the first one (``--tool-set first``,
-:mod:`~s2s_rt.evaluation.tool_requests`) or the held-out one (``--tool-set
-held-out``, :mod:`~s2s_rt.evaluation.held_out_tools`), which shows whether
-what was tuned on the first carries over::
+:mod:`~s2s_rt.evaluation.tool_requests`), the held-out one (``--tool-set
+held-out``, :mod:`~s2s_rt.evaluation.held_out_tools`) or the third one
+(``--tool-set third``, :mod:`~s2s_rt.evaluation.third_tools`); the last two
+show whether what was tuned on the first carries over::
 
     python -m s2s_rt.evaluation --tools-only --tool-set held-out --llm default --out eval-held-out
 
@@ -44,9 +45,8 @@ from typing import Any
 from s2s_rt.evaluation.questions import EVALUATION_NOW, QUESTIONS
 from s2s_rt.evaluation.voices import ALL_VOICES, Voice, missing_programs
 
-PRESETS = ("default", "tiny", "best")
 #: The function-calling sets, by their ``--tool-set`` name.
-TOOL_SETS = ("first", "held-out")
+TOOL_SETS = ("first", "held-out", "third")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -208,14 +208,14 @@ def _answer_one(args: argparse.Namespace) -> int:
     from s2s_rt.bench.procfs import read_proc
     from s2s_rt.config import Config
     from s2s_rt.engines.default import load_default_stack
-    from s2s_rt.evaluation import held_out_tools, tool_requests
+    from s2s_rt.evaluation import held_out_tools, third_tools, tool_requests
     from s2s_rt.evaluation.asking import Assistant
     from s2s_rt.evaluation.grading import is_right
     from s2s_rt.protocol.config import SessionConfig
 
     preset = args.one
     config = Config()
-    tool_set = {"first": tool_requests, "held-out": held_out_tools}[args.tool_set]
+    tool_set = {"first": tool_requests, "held-out": held_out_tools, "third": third_tools}[args.tool_set]
     temperature_scale = config.llm_temperature_scale if args.temperature_scale is None else args.temperature_scale
     try:
         prepared = models.ensure_prepared(llm=preset if preset in models.LLM_PRESETS else "default", progress=print)

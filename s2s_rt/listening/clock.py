@@ -24,6 +24,7 @@ import math
 import time
 from typing import Protocol
 
+from s2s_rt.config import DEFAULTS
 from s2s_rt.engines.base import VAD
 from s2s_rt.inference import StagePool
 from s2s_rt.listening.admission import ListeningCost, calibrate
@@ -58,6 +59,10 @@ class Listening(Protocol):
 class ListeningClock:
     """Hears every session's audio on a short clock, in one executor call per tick.
 
+    Each parameter after ``metrics`` defaults to its setting's default in
+    :data:`s2s_rt.config.DEFAULTS` (``listen_tick_ms``, ``listen_s_per_tick``,
+    ``max_audio_backlog_s``, ``shed_after_ms``, ``max_listening_load``).
+
     Args:
         vad: the shared VAD engine.
         pool: the VAD executor.
@@ -78,11 +83,11 @@ class ListeningClock:
         pool: StagePool,
         metrics: Metrics,
         *,
-        tick_s: float = 0.02,
-        listen_s_per_tick: float = 1.0,
-        max_backlog_s: float = 5.0,
-        shed_after_s: float = 0.25,
-        max_load: float = 0.55,
+        tick_s: float = DEFAULTS.listen_tick_ms / 1000,
+        listen_s_per_tick: float = DEFAULTS.listen_s_per_tick,
+        max_backlog_s: float = DEFAULTS.max_audio_backlog_s,
+        shed_after_s: float = DEFAULTS.shed_after_ms / 1000,
+        max_load: float = DEFAULTS.max_listening_load,
     ) -> None:
         self.vad = vad
         self.pool = pool
@@ -188,7 +193,7 @@ class ListeningClock:
         self._last_tick, self._woken_at = now, None
         for listener in ready:
             audio = listener.listening()
-            if audio is None or audio.closing or audio.scope.stale:
+            if audio is None or audio.closed:
                 continue
             try:
                 taken = self._take(listener, audio, now)
@@ -216,14 +221,14 @@ class ListeningClock:
         results = iter(heard)
         for listener, audio, segments in work:
             got = next(results) if segments else None
-            if listener.listening() is not audio or audio.scope.stale:
+            if listener.listening() is not audio or audio.closed:
                 continue  # the session ended meanwhile
             try:
                 listener.heard(segments, got)
             except Exception as exc:
                 listener.fail(exc, "listening", audio.scope)
                 continue
-            if audio.inbox:
+            if audio.waiting:
                 self.wake(listener)
         # The clock's own work: not the wait for the executor (the loop's other work, handshakes among it).
         self.cost.add(before - started + hearing_s + time.perf_counter() - after, heard_total_s, now)
@@ -250,18 +255,7 @@ class ListeningClock:
         if backlog > self.max_backlog_s:
             listener.fall_behind(backlog)
             return None
-        inbox = audio.inbox
-        segments: list[AudioBytes] = []
-        heard_s = 0.0
-        while inbox and isinstance(inbox[0], AudioBytes) and heard_s < allowance:
-            seg = inbox.popleft()
-            seconds = seg.seconds()
-            if heard_s + seconds > allowance:
-                seg, rest = seg.split(allowance - heard_s)
-                inbox.appendleft(rest)
-                seconds = seg.seconds()
-            segments.append(seg)
-            heard_s += seconds
+        segments, heard_s = audio.take(allowance)
         return segments, heard_s, backlog
 
     def _shed(self, lag: float) -> None:

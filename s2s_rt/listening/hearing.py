@@ -1,22 +1,25 @@
 """Hearing: every session's new audio decoded, resampled and scored by the VAD, in one batch per tick.
 
 :func:`hear` runs in the VAD's worker thread on what the clock took from
-each session's inbox (:class:`AudioBytes`); :class:`SessionAudio` is what
-the clock keeps about one session's audio between ticks. Nothing here knows
+each session's inbox (:class:`AudioBytes`); :class:`SessionAudio` owns one
+session's audio on its way there, and what the clock keeps about it between ticks. Nothing here knows
 about turns, responses or slots.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import numpy as np
 
 from s2s_rt.audio import AudioFormat, AudioFormatError, Resampler
+from s2s_rt.budget import ByteBudget
 from s2s_rt.engines.base import PIPELINE_RATE, VAD, Float32Array
 from s2s_rt.scope import Scope
 
@@ -54,40 +57,150 @@ class AudioBytes:
 
 
 class SessionAudio:
-    """One session's audio on its way to the VAD. Only the listening clock (and the receive path, appending) touches it.
+    """One session's audio on its way to the VAD: its inbox and the budget of bytes waiting in it.
+
+    The only owner of the inbox: the receive path puts audio and commands in
+    (:meth:`put_audio`, :meth:`put_command`), the listening clock takes them
+    out (:meth:`take`, :meth:`heard`, :meth:`commands`), and the session's end
+    drops everything (:meth:`close`, :meth:`drop_all`). No one else touches
+    the queue or its budget.
 
     Args:
         scope: the session's scope: once stale, nothing more is heard.
         vad_state: the VAD's state for this session's stream.
         input_format: the format audio arrives in now.
         scoring: whether the VAD scores it (turn detection is on).
+        max_waiting_bytes: most bytes of raw audio waiting to be heard: a client that sends faster waits (None:
+            no bound, for audio that is not a client's, as in calibration).
     """
 
-    def __init__(self, scope: Scope, vad_state: Any, input_format: AudioFormat, scoring: bool = True) -> None:
+    def __init__(
+        self,
+        scope: Scope,
+        vad_state: Any,
+        input_format: AudioFormat,
+        scoring: bool = True,
+        max_waiting_bytes: int | None = None,
+    ) -> None:
         self.scope = scope
         self.vad_state = vad_state
         #: Raw audio and commands in arrival order, waiting for the clock.
-        self.inbox: collections.deque[Any] = collections.deque()
-        #: Bytes of raw audio in the inbox.
-        self.inbox_bytes = 0
-        #: Closed for falling behind: nothing more is heard.
-        self.closing = False
+        self._inbox: collections.deque[Any] = collections.deque()
+        #: Bytes of raw audio in the inbox or being heard: taken when put, released when heard.
+        self._budget = ByteBudget("input audio", sys.maxsize if max_waiting_bytes is None else max_waiting_bytes)
+        self._closed = False
         self.scoring = scoring
         self.format = input_format
         self.resampler = Resampler(input_format.rate, PIPELINE_RATE)
         #: Samples not yet a whole VAD window, carried to the next tick.
         self.pending = np.zeros(0, np.float32)
 
+    # --- the receive path ---------------------------------------------------------
+
+    def put_audio(self, item: AudioBytes) -> bool:
+        """Queue raw audio to be heard; False (nothing queued) when the bytes waiting are at their limit.
+
+        Audio for a closed session is taken and dropped (True): nothing more is heard of it.
+        """
+        if self.closed:
+            return True
+        if not self._budget.try_take(len(item.data)):
+            return False
+        self._inbox.append(item)
+        return True
+
+    async def put_audio_when_room(self, item: AudioBytes, wait_s: float) -> bool:
+        """:meth:`put_audio`, waiting up to ``wait_s`` for the audio before it to be heard; False if it was not."""
+        try:
+            async with asyncio.timeout(wait_s):
+                await self._budget.take(len(item.data))
+        except TimeoutError:
+            return False
+        if self.closed:
+            self._budget.release(len(item.data))
+            return True
+        self._inbox.append(item)
+        return True
+
+    def put_command(self, item: Any) -> None:
+        """Queue a command that must follow the audio before it (dropped once closed)."""
+        if not self.closed:
+            self._inbox.append(item)
+
+    # --- the listening clock ----------------------------------------------------------
+
+    @property
+    def waiting(self) -> bool:
+        """Audio or commands wait to be taken."""
+        return bool(self._inbox)
+
+    def take(self, allowance_s: float) -> tuple[list[AudioBytes], float]:
+        """The leading audio, up to ``allowance_s`` seconds of it (an append larger than that is cut), and its seconds.
+
+        Its bytes stay counted as waiting until :meth:`heard`.
+        """
+        inbox = self._inbox
+        segments: list[AudioBytes] = []
+        heard_s = 0.0
+        while inbox and isinstance(inbox[0], AudioBytes) and heard_s < allowance_s:
+            seg = inbox.popleft()
+            seconds = seg.seconds()
+            if heard_s + seconds > allowance_s:
+                seg, rest = seg.split(allowance_s - heard_s)
+                inbox.appendleft(rest)
+                seconds = seg.seconds()
+            segments.append(seg)
+            heard_s += seconds
+        return segments, heard_s
+
+    def heard(self, segments: list[AudioBytes]) -> None:
+        """``segments``, taken by :meth:`take`, were heard: their bytes no longer wait."""
+        self._budget.release(sum(len(s.data) for s in segments))
+
+    def commands(self) -> Iterator[Any]:
+        """The commands at the head of the inbox, up to the next audio, each taken as it is given."""
+        inbox = self._inbox
+        while inbox and not isinstance(inbox[0], AudioBytes):
+            yield inbox.popleft()
+
     def backlog_s(self, now: float) -> float:
         """How long the oldest audio not yet heard has waited."""
-        for item in self.inbox:
+        for item in self._inbox:
             if isinstance(item, AudioBytes):
                 return now - item.received
         return 0.0
 
     def inbox_audio_s(self) -> float:
         """Seconds of audio waiting in the inbox."""
-        return sum(item.seconds() for item in self.inbox if isinstance(item, AudioBytes))
+        return sum(item.seconds() for item in self._inbox if isinstance(item, AudioBytes))
+
+    # --- the end -------------------------------------------------------------------
+
+    @property
+    def waiting_bytes(self) -> int:
+        """Bytes of raw audio waiting to be heard (or being heard)."""
+        return self._budget.used
+
+    @property
+    def limit_bytes(self) -> int:
+        return self._budget.limit
+
+    @property
+    def closed(self) -> bool:
+        """Nothing more is heard: closed (for falling behind, or failing), or its session has ended."""
+        return self._closed or self.scope.stale
+
+    def close(self) -> int:
+        """Hear nothing more of this session; returns how many waiting items were dropped."""
+        self._closed = True
+        return self.drop_all()
+
+    def drop_all(self) -> int:
+        """Drop every waiting item (a sender waiting for room is woken); returns how many."""
+        dropped = len(self._inbox)
+        self._inbox.clear()
+        self._budget.reset()
+        return dropped
 
 
 class EngineUnavailable(Exception):

@@ -8,7 +8,9 @@ client: no response exists yet. When the turn ends, the turn's response
 adopts it if it would have asked the model exactly the same thing (an
 equal :class:`~s2s_rt.engines.base.LLMRequest`, voice and speed), reading
 the pieces made so far and then the rest as it comes; if speech returns first, or the response asks something else, the
-anticipation is dropped and its engine work stopped.
+anticipation is dropped and its engine work stopped. Both build what they
+ask here, in one way (:func:`answer_request`, :func:`first_clause_pause`),
+so that they stay equal.
 
 An anticipation's scope is a child of its session's: it is stale when the
 listener drops it, when the session ends, or, once adopted, when the
@@ -21,15 +23,52 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from s2s_rt.engines.base import AsyncLLM, Float32Array, LLMRequest, LLMUsage
+from s2s_rt.engines.base import AsyncLLM, ChatMessage, FirstWordsPause, Float32Array, LLMRequest, LLMUsage
 from s2s_rt.inference import OneAtATime
+from s2s_rt.pipeline.clauses import ClauseSplitter
 from s2s_rt.scope import Scope
+from s2s_rt.spoken_answer import with_answer_context
+from s2s_rt.toolcalls import offered_tools
+
+if TYPE_CHECKING:
+    from s2s_rt.protocol.response_params import ResponseParams
 
 log = logging.getLogger(__name__)
+
+
+def answer_request(messages: Sequence[ChatMessage], params: ResponseParams, language: str | None) -> LLMRequest:
+    """What an answer asks the model: ``messages`` (the prompt up to the words answered) under ``params``.
+
+    The one way a response (:mod:`s2s_rt.pipeline.responding`) and the
+    answer begun in its turn's closing silence (:mod:`s2s_rt.pipeline.speculation`)
+    build their request: the response adopts that answer only if the two
+    are equal (:meth:`Anticipation.answers`). The functions shown are those
+    ``tool_choice`` allows; the prompt gets the answer's context (date,
+    language, numbers in digits where functions are offered:
+    :func:`~s2s_rt.spoken_answer.with_answer_context`) in ``language``.
+    """
+    tools, must_call = offered_tools(params.tools, params.tool_choice)
+    messages = with_answer_context(messages, language=language, tools=bool(tools))
+    return LLMRequest.of(
+        messages, max_tokens=params.token_limit, temperature=params.temperature, tools=tools, require_tool=must_call
+    )
+
+
+def first_clause_pause(
+    first_words: int, request: LLMRequest, spoken: bool, resume: Callable[[], bool]
+) -> FirstWordsPause | None:
+    """Where an answer to ``request`` pauses: at its first clause's end, until ``resume()`` (that clause is spoken).
+
+    Only a spoken answer with no functions in view pauses (None otherwise);
+    its first clause is cut as the responding stage cuts it (``first_words``).
+    """
+    if not spoken or request.tools:
+        return None
+    return FirstWordsPause(ClauseSplitter(first_words=first_words).ends_first, resume)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +129,9 @@ class Anticipation:
         )
 
     def add(self, piece: str) -> None:
-        """A piece of the answer came."""
+        """A piece of the answer came (an empty one, that the engine is alive, is not kept)."""
+        if not piece:
+            return
         if self.first_token is None:
             self.first_token = time.perf_counter()
         self.pieces.append(piece)

@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from s2s_rt.metrics import labels_key
-from s2s_rt.pipeline.work import BufferCommand, ResponseRequest, SettingsChanged, TurnTiming
+from s2s_rt.pipeline.work import BufferCommand, ResponseRequest, SettingsChanged
 from s2s_rt.protocol import client_events as ce
 from s2s_rt.protocol.errors import ProtocolError
 
 if TYPE_CHECKING:
     from s2s_rt.audio import AudioFormat
-    from s2s_rt.budget import ByteBudget
     from s2s_rt.pipeline.context import SessionContext
     from s2s_rt.pipeline.listener import Listener
     from s2s_rt.pipeline.stage import StageContext
@@ -29,7 +27,6 @@ class Dispatcher:
         stage: the slot's stage context.
         serving: the session the slot serves now.
         listener: the slot's listener (audio and buffer commands go to it, in order).
-        input_budget: the slot's budget of audio waiting to be heard.
         max_wait_s: how long an append past the budget may wait for room before it is refused.
         read_ahead: reads what the session's next answer begins with into the LLM's kept state (its new
             instructions and tools, after a ``session.update``).
@@ -40,14 +37,12 @@ class Dispatcher:
         stage: StageContext,
         serving: Callable[[], SessionContext | None],
         listener: Listener,
-        input_budget: ByteBudget,
         max_wait_s: float,
         read_ahead: Callable[[SessionContext], None] = lambda ctx: None,
     ) -> None:
         self.stage = stage
         self.serving = serving
         self.listener = listener
-        self.input_budget = input_budget
         self.max_wait_s = max_wait_s
         self.read_ahead = read_ahead
 
@@ -106,18 +101,15 @@ class Dispatcher:
     def media_audio(self, ctx: SessionContext, fmt: AudioFormat, data: bytes) -> None:
         """Audio from a call's media track, in ``fmt``: heard as an append's would be.
 
-        It arrives in real time and cannot be asked to wait: past the input
-        budget (the listening clock is that far behind) it is dropped and counted.
+        It arrives in real time and cannot be asked to wait: past the session's
+        limit of audio waiting to be heard (the listening clock is that far
+        behind) it is dropped and counted.
         """
-        if ctx.audio.closing or ctx.session.scope.stale:
-            return
-        if not self.input_budget.try_take(len(data)):
+        if not self.listener.audio(ctx, data, fmt=fmt):
             self.stage.metrics.dropped_stale.inc(stage="call_audio")
-            return
-        self.listener.audio(ctx, data, fmt=fmt)
 
     def _append(self, ctx: SessionContext, ev: ce.InputAudioBufferAppend) -> bool:
-        """Queue an append's raw bytes for the listening clock; False when its input budget is spent.
+        """Queue an append's raw bytes for the listening clock; False when its session's limit is reached.
 
         Only the raw bytes are kept here; decoding, resampling and the VAD
         happen on the listening clock, for all sessions at once. Never waits:
@@ -126,31 +118,7 @@ class Dispatcher:
         Raises:
             ProtocolError: the audio does not fit the session's format.
         """
-        if ctx.audio.closing:
-            return True
-        if not self.input_budget.try_take(len(ev.audio)):
-            return False
-        try:
-            self.listener.audio(ctx, ev.audio, ev.event_id)
-        except ProtocolError:
-            self.input_budget.release(len(ev.audio))
-            raise
-        return True
-
-    async def _append_when_heard(self, ctx: SessionContext, ev: ce.InputAudioBufferAppend) -> bool:
-        """Wait (this session's socket unread meanwhile) until the audio before it is heard, then take it.
-
-        An upload faster than real time is heard as fast as the listening
-        clock allows; its sender is slowed down, alone. False if the budget
-        did not free up within the clock's ``max_backlog_s``.
-        """
-        try:
-            async with asyncio.timeout(self.max_wait_s):
-                await self.input_budget.take(len(ev.audio))
-        except TimeoutError:
-            return False
-        self.input_budget.release(len(ev.audio))
-        return self._append(ctx, ev)
+        return self.listener.audio(ctx, ev.audio, ev.event_id)
 
     async def _dispatch(self, ev: ce.ClientEvent) -> None:
         stage = self.stage
@@ -161,13 +129,15 @@ class Dispatcher:
         listener = self.listener
         match ev:
             case ce.InputAudioBufferAppend():
-                if not self._append(ctx, ev) and not await self._append_when_heard(ctx, ev):
+                if not self._append(ctx, ev) and not await listener.audio_when_heard(
+                    ctx, ev.audio, ev.event_id, self.max_wait_s
+                ):
                     # Sent faster than it can be heard, past the session's budget, for longer than audio may
                     # wait: this append is refused (the client may send it again), the session stays.
                     raise ProtocolError(
                         "input_audio_buffer_full",
-                        f"{self.input_budget.used} bytes of audio are still waiting to be heard (at most"
-                        f" {self.input_budget.limit}); this append was not taken: send it again shortly",
+                        f"{ctx.audio.waiting_bytes} bytes of audio are still waiting to be heard (at most"
+                        f" {ctx.audio.limit_bytes}); this append was not taken: send it again shortly",
                         param="audio",
                     )
             case ce.InputAudioBufferCommit():
@@ -184,19 +154,19 @@ class Dispatcher:
                 events = session.handle(ev)
                 r = session.response
                 assert r is not None
-                stage.outbox.timings[r.id] = TurnTiming()
+                ctx.timings.begin(r.id)
                 await stage.outbox.emit(events, scope)
                 # It travels behind the audio and transcriptions before it.
                 listener.command(ctx, ResponseRequest(r.scope, r))
             case ce.OutputAudioBufferClear():
-                media = ctx.channel.media
-                if media is None:
+                cut = ctx.channel.playback.clear()
+                if cut is None:
                     raise ProtocolError(
                         "invalid_request_error",
                         "output_audio_buffer.clear is for WebRTC calls: over a WebSocket the client holds the"
                         " audio it was sent (cancel the response, and truncate the item at what was played)",
                     )
-                await stage.outbox.emit(session.cut_off(*media.clear()), scope)  # nothing, if nothing plays
+                await stage.outbox.emit(session.cut_off(*cut), scope)  # nothing, if nothing plays
             case ce.ResponseCancel():
                 events = session.handle(ev)
                 stage.metrics.turns.inc(status="cancelled")

@@ -19,7 +19,6 @@ from collections.abc import Callable
 from typing import Any
 
 from s2s_rt.audio import AudioFormat
-from s2s_rt.budget import ByteBudget
 from s2s_rt.engines.base import PIPELINE_RATE, ms_to_samples, samples_to_ms
 from s2s_rt.listening.clock import ListeningClock
 from s2s_rt.listening.hearing import AudioBytes, EngineUnavailable, Heard, SessionAudio
@@ -32,7 +31,7 @@ from s2s_rt.pipeline.work import (
     SettingsChanged,
     Transcribe,
 )
-from s2s_rt.protocol.errors import ProtocolError
+from s2s_rt.protocol.errors import ProtocolError, RealtimeError, ServerFault
 from s2s_rt.protocol.server_events import ServerEvent, new_id
 from s2s_rt.scope import Scope
 from s2s_rt.turn import SemanticTurnEnd, SpeechStart, SpeechStop, TurnDetector
@@ -49,7 +48,6 @@ class Listener:
         clock: the process's listening clock.
         to_stt: puts work on the transcribing stage's queue (raises ``asyncio.QueueFull``).
         close_now: ends the session from code that cannot wait (``close_now(error or None, close code)``).
-        input_budget: the slot's budget of decoded audio waiting to be heard.
         max_input_samples: most uncommitted input audio per session.
         speculate_after_ms: silence after which a turn is transcribed ahead of its end (0: never).
         semantic: the waits of ``semantic_vad``.
@@ -61,8 +59,7 @@ class Listener:
         serving: Callable[[], SessionContext | None],
         clock: ListeningClock,
         to_stt: Callable[[Any], None],
-        close_now: Callable[[ProtocolError | None, int], None],
-        input_budget: ByteBudget,
+        close_now: Callable[[RealtimeError | None, int], None],
         max_input_samples: int,
         speculate_after_ms: int,
         semantic: SemanticTurnEnd | None = None,
@@ -72,7 +69,6 @@ class Listener:
         self.clock = clock
         self.to_stt = to_stt
         self.close_now = close_now
-        self.input_budget = input_budget
         self.max_input_samples = max_input_samples
         self.speculate_after_ms = speculate_after_ms
         self.semantic = semantic or SemanticTurnEnd()
@@ -94,12 +90,29 @@ class Listener:
 
     def audio(
         self, ctx: SessionContext, data: bytes, event_id: str | None = None, fmt: AudioFormat | None = None
-    ) -> None:
-        """Raw audio from the client, in ``fmt`` (None: the format the session has now).
+    ) -> bool:
+        """Raw audio from the client, in ``fmt`` (None: the format the session has now), queued to be heard.
+
+        Returns False (nothing queued) when the session's audio waiting to be heard is at its limit.
 
         Raises:
             ProtocolError: the byte count does not fit the format.
         """
+        item = self._audio_bytes(ctx, data, event_id, fmt)
+        if not ctx.audio.put_audio(item):
+            return False
+        self.clock.wake(self)
+        return True
+
+    async def audio_when_heard(self, ctx: SessionContext, data: bytes, event_id: str | None, wait_s: float) -> bool:
+        """:meth:`audio`, waiting up to ``wait_s`` for the audio before it to be heard (this sender alone waits)."""
+        if not await ctx.audio.put_audio_when_room(self._audio_bytes(ctx, data, event_id, None), wait_s):
+            return False
+        self.clock.wake(self)
+        return True
+
+    @staticmethod
+    def _audio_bytes(ctx: SessionContext, data: bytes, event_id: str | None, fmt: AudioFormat | None) -> AudioBytes:
         fmt = ctx.session.config.input_format if fmt is None else fmt
         if len(data) % fmt.bytes_per_sample:
             raise ProtocolError(
@@ -107,14 +120,11 @@ class Listener:
                 f"{fmt.type} audio must have a multiple of {fmt.bytes_per_sample} bytes, got {len(data)}",
                 param="audio",
             )
-        audio = ctx.audio
-        audio.inbox.append(AudioBytes(ctx.session.scope, data, fmt, event_id=event_id))
-        audio.inbox_bytes += len(data)
-        self.clock.wake(self)
+        return AudioBytes(ctx.session.scope, data, fmt, event_id=event_id)
 
     def command(self, ctx: SessionContext, item: BufferCommand | SettingsChanged | ResponseRequest) -> None:
         """A command that must follow the audio before it."""
-        ctx.audio.inbox.append(item)
+        ctx.audio.put_command(item)
         self.clock.wake(self)
 
     def answered(self, ctx: SessionContext) -> None:
@@ -131,9 +141,7 @@ class Listener:
         ctx = self.serving()
         assert ctx is not None
         if segments:
-            size = sum(len(s.data) for s in segments)
-            ctx.audio.inbox_bytes -= size
-            self.input_budget.release(size)
+            ctx.audio.heard(segments)
             ctx.turns.heard_event_id = segments[-1].event_id
         if got is not None:
             self._heard(ctx, got)
@@ -145,25 +153,21 @@ class Listener:
     def fall_behind(self, backlog_s: float) -> None:
         """The session's audio waits too long, or too much of it: tell it and close it, alone."""
         ctx = self.serving()
-        if ctx is None or ctx.audio.closing:
+        if ctx is None or ctx.ending:
             return
         audio = ctx.audio
-        audio.closing = True
-        waiting = audio.inbox_bytes
+        waiting, limit = audio.waiting_bytes, audio.limit_bytes
         log.warning(
             "slot %d: %.1f s (%d bytes) of audio not yet heard; closing the session",
             self.stage.index,
             backlog_s,
             waiting,
         )
-        audio.inbox.clear()
-        self.input_budget.reset()
-        audio.inbox_bytes = 0
-        exc = ProtocolError(
+        ctx.stop_hearing()
+        exc = ServerFault(
             "audio_backlog_exceeded",
             f"This session's audio is not being heard in time ({backlog_s:.1f} s and {waiting} bytes waiting; at most"
-            f" {self.clock.max_backlog_s:g} s and {self.input_budget.limit} bytes); closing it",
-            type="server_error",
+            f" {self.clock.max_backlog_s:g} s and {limit} bytes); closing it",
         )
         self.close_now(exc, 1013)
 
@@ -175,9 +179,7 @@ class Listener:
             if not isinstance(got.error, EngineUnavailable):
                 raise got.error  # this session's audio alone failed: the clock ends this session
             log.warning("slot %d: VAD failed: %r", self.stage.index, got.error)
-            self._error(
-                ctx, ProtocolError("vad_failed", f"Voice activity detection failed: {got.error}", type="server_error")
-            )
+            self._error(ctx, ServerFault("vad_failed", f"Voice activity detection failed: {got.error}"))
         samples = got.samples
         room = self.max_input_samples - turns.buffer.samples
         if len(samples) > room:
@@ -230,9 +232,7 @@ class Listener:
 
     def _commands(self, ctx: SessionContext) -> None:
         """Handle the commands at the head of the inbox (up to the next audio)."""
-        inbox = ctx.audio.inbox
-        while inbox and not isinstance(inbox[0], AudioBytes):
-            item = inbox.popleft()
+        for item in ctx.audio.commands():
             if isinstance(item, BufferCommand):
                 self._buffer_command(ctx, item)
             elif isinstance(item, SettingsChanged):
@@ -245,7 +245,7 @@ class Listener:
         if events and not self.stage.outbox.emit_nowait(events, ctx.session.scope):
             self.close_now(None, 1008)
 
-    def _error(self, ctx: SessionContext, exc: ProtocolError) -> None:
+    def _error(self, ctx: SessionContext, exc: RealtimeError) -> None:
         self.stage.metrics.errors.inc(code=exc.code)
         self._emit(ctx, [ctx.session.error(exc)])
 
@@ -282,10 +282,10 @@ class Listener:
             if session.response is not None:
                 events += session.cancel_response("turn_detected")
                 self.stage.metrics.turns.inc(status="cancelled")
-            media = ctx.channel.media
-            if media is not None:
-                # A call's audio is played here: what is not yet heard is dropped, the item truncated at what was.
-                events += session.cut_off(*media.clear())
+            cut = ctx.channel.playback.clear()
+            if cut is not None:
+                # The audio is played here (a call): what is not yet heard is dropped, the item truncated at what was.
+                events += session.cut_off(*cut)
         self._emit(ctx, events)
 
     def _speech_stopped(self, ctx: SessionContext, turn: SpeechStop) -> None:

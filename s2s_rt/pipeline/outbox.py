@@ -13,83 +13,22 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from websockets.exceptions import ConnectionClosed
 
 from s2s_rt.budget import ByteBudget
 from s2s_rt.metrics import Metrics
-from s2s_rt.pipeline.work import CloseRequest, Outgoing, SessionEnd, TurnTiming
-from s2s_rt.protocol.errors import ProtocolError
+from s2s_rt.pipeline.ports import Channel, EventTooLarge, close_quickly
+from s2s_rt.pipeline.work import CloseRequest, Outgoing, ResponseTimings, SessionEnd, TurnTiming
+from s2s_rt.protocol.errors import RealtimeError, ServerFault
 from s2s_rt.protocol.server_events import AudioDelta, ServerEvent, encode_event
 from s2s_rt.scope import Scope
 
 if TYPE_CHECKING:
-    from s2s_rt.audio import AudioFormat
     from s2s_rt.protocol.session import Session
 
 log = logging.getLogger(__name__)
-
-
-class EventTooLarge(Exception):
-    """What a channel's ``send`` raises for one event larger than its peer takes in one message.
-
-    Args:
-        size: the event's bytes.
-        limit: the most the peer takes.
-    """
-
-    def __init__(self, size: int, limit: int) -> None:
-        super().__init__(f"an event of {size} bytes is more than the peer takes in one message ({limit})")
-        self.size = size
-        self.limit = limit
-
-
-class Playback(Protocol):
-    """Where a call plays its answers' audio (the transport's outgoing track), and what of it was heard.
-
-    Attributes:
-        notify: told ``("started" | "stopped", response_id)`` as a response's audio begins and ends playing.
-    """
-
-    notify: Callable[[str, str], None]
-
-    def play(self, response_id: str, item_id: str, data: bytes, fmt: AudioFormat) -> None:
-        """Queue one audio delta of a response, in the session's output format."""
-
-    def finish(self, response_id: str) -> None:
-        """A response's audio is all queued."""
-
-    def clear(self) -> tuple[str | None, str | None, float]:
-        """Drop what has not played: the response that was playing, the item cut, and the ms of it heard."""
-        ...
-
-
-class Channel(Protocol):
-    """What carries one session's events to its client: a WebSocket connection, or a WebRTC call.
-
-    Attributes:
-        media: where the answers' audio goes instead of ``response.output_audio.delta`` events
-            (a call's outgoing track); None when the audio travels in the events (a WebSocket).
-        close_code: the close code, once closed.
-    """
-
-    @property
-    def media(self) -> Playback | None: ...
-
-    @property
-    def close_code(self) -> int | None: ...
-
-    @property
-    def is_open(self) -> bool: ...
-
-    async def send(self, message: Any, *, text: bool | None = ...) -> None:
-        """Send one event; raises ``ConnectionClosed`` when the client is gone, :class:`EventTooLarge`."""
-
-    async def close(self, code: int = 1000, reason: str = "") -> None: ...
-
-    def abort(self) -> None:
-        """Drop the connection at once."""
 
 
 class Outbox:
@@ -112,12 +51,11 @@ class Outbox:
         self.budget = ByteBudget("output", max_bytes)
         self.send_timeout_s = send_timeout_s
         self.log_content = False
-        #: The channel, session and client address of the session served now.
+        #: The channel, session, client address and response timings of the session served now (:meth:`attach`).
         self.channel: Channel | None = None
         self.session: Session | None = None
         self.client = ""
-        #: When each stage of a response's turn happened, for the turn log and metrics.
-        self.timings: dict[str, TurnTiming] = {}
+        self.timings = ResponseTimings()
         #: Called when a response ends (the server's shutdown waits on it).
         self.on_response_done: Callable[[], None] = lambda: None
         #: Called when a session's ``SessionEnd`` arrives, with the session's id.
@@ -125,10 +63,19 @@ class Outbox:
         #: Since when a send has been waiting for the client (None: not waiting).
         self.sending_since: float | None = None
 
+    def attach(self, channel: Channel, session: Session, client: str, timings: ResponseTimings) -> None:
+        """Send the events of the session now served: to ``channel``; its responses' turns timed in ``timings``."""
+        self.channel, self.session, self.client, self.timings = channel, session, client, timings
+
+    def detach(self) -> None:
+        """The session served is gone: nothing more is sent."""
+        self.channel = self.session = None
+        self.timings = ResponseTimings()
+
     def _outgoing(self, event: ServerEvent, scope: Scope) -> Outgoing:
         sent: Callable[[], None] | None = None
         if event.type == "response.done":
-            timing = self.timings.pop(event.response.id, None)  # type: ignore[attr-defined]
+            timing = self.timings.end(event.response.id)  # type: ignore[attr-defined]
             if timing is not None:
                 sent = functools.partial(self._turn_done, event, timing)
             self.on_response_done()
@@ -139,13 +86,13 @@ class Outbox:
             # deltas of a response that is cancelled or fails meanwhile are dropped.
             scope = scope.outermost
         elif type(event) is AudioDelta:  # in either dialect's name
-            timing = self.timings.get(event.response_id)
+            timing = self.timings.of(event.response_id)
             if timing is not None and not timing.first_delta_queued:
                 timing.first_delta_queued = True  # only the response's first delta is watched
                 sent = functools.partial(_audio_sent, timing)
             channel = self.channel
-            if channel is not None and channel.media is not None and self.session is not None:
-                # A call plays the audio on its track: the event itself is never encoded or sent.
+            if channel is not None and channel.playback.takes_audio and self.session is not None:
+                # Played here (a call's track): the event itself is never encoded or sent.
                 play = (event.response_id, event.item_id, event.delta, self.session.config.output_format)
                 return Outgoing(scope, event.type, b"", sent, play)
         return Outgoing(scope, event.type, encode_event(event), sent)
@@ -174,7 +121,7 @@ class Outbox:
             self.queue.put_nowait(out)
         return True
 
-    async def error(self, exc: ProtocolError) -> None:
+    async def error(self, exc: RealtimeError) -> None:
         """An ``error`` event for the session served now."""
         session = self.session
         if session is None:
@@ -185,6 +132,18 @@ class Outbox:
     async def close(self, scope: Scope, code: int, reason: str) -> None:
         """Close the socket once everything queued before has been sent."""
         await self.queue.put(CloseRequest(scope, code, reason))
+
+    def close_nowait(self, scope: Scope, code: int, reason: str) -> bool:
+        """:meth:`close` without waiting; False (nothing queued) when the queue has no room for it."""
+        try:
+            self.queue.put_nowait(CloseRequest(scope, code, reason))
+        except asyncio.QueueFull:
+            return False
+        return True
+
+    async def end_session(self, end: SessionEnd) -> None:
+        """The session's last work is queued: once everything before ``end`` is sent, the slot is freed."""
+        await self.queue.put(end)
 
     def flush(self) -> int:
         """Drop every queued event (a session's end marker stays); returns how many."""
@@ -259,14 +218,15 @@ class Outbox:
         if isinstance(item, CloseRequest):
             await close_quickly(ws, item.code, item.reason)
             return
-        if item.play is not None and ws.media is not None:
-            ws.media.play(*item.play)
+        playback = ws.playback
+        if item.play is not None and playback.takes_audio:
+            playback.play(*item.play)
             self.metrics.events_out.inc(type=item.type)
             if item.sent is not None:
                 item.sent()
             return
-        if ws.media is not None and item.ends_audio_of is not None:
-            ws.media.finish(item.ends_audio_of)
+        if item.ends_audio_of is not None:
+            playback.finish(item.ends_audio_of)
         self.sending_since = time.monotonic()
         try:
             await ws.send(item.data, text=True)
@@ -297,7 +257,7 @@ class Outbox:
         session = self.session
         if session is not None:
             self.metrics.errors.inc(code=code)
-            notice = session.error(ProtocolError(code, f"{text}; the session ends", type="server_error"))
+            notice = session.error(ServerFault(code, f"{text}; the session ends"))
             try:
                 await ws.send(encode_event(notice), text=True)
             except Exception:
@@ -312,12 +272,3 @@ class Outbox:
 
 def _audio_sent(timing: TurnTiming) -> None:
     timing.audio_sent = time.perf_counter()
-
-
-async def close_quickly(ws: Channel, code: int, reason: str) -> None:
-    """Send a close frame; if the peer does not answer within a second, drop the connection."""
-    try:
-        async with asyncio.timeout(1.0):
-            await ws.close(code, reason)
-    except TimeoutError:
-        ws.abort()

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 from s2s_rt.engines.base import (
     AsyncLLM,
     ChatMessage,
-    FirstWordsPause,
     FunctionCall,
     LLMError,
     LLMRequest,
@@ -23,16 +22,15 @@ from s2s_rt.engines.base import (
     TakesTurns,
 )
 from s2s_rt.inference import EngineTimeout
-from s2s_rt.pipeline.anticipation import Anticipation
+from s2s_rt.pipeline.anticipation import Anticipation, answer_request, first_clause_pause
 from s2s_rt.pipeline.clauses import ClauseSplitter
 from s2s_rt.pipeline.context import SessionContext
-from s2s_rt.pipeline.stage import StageContext, serve
-from s2s_rt.pipeline.work import CallOut, ResponseEnd, ResponseRequest, SessionEnd, Speak, TurnTiming, run_scoped
+from s2s_rt.pipeline.stage import Stage, StageContext
+from s2s_rt.pipeline.work import CallOut, ResponseEnd, ResponseRequest, SessionEnd, Speak, TurnTiming
 from s2s_rt.protocol.prompt import repeats_answered
-from s2s_rt.spoken_answer import with_answer_context
 from s2s_rt.toolcalls import Call as CallPart
 from s2s_rt.toolcalls import Text as TextPart
-from s2s_rt.toolcalls import ToolCallError, ToolCallFilter, UnknownFunction, frame, offered_tools, parse_call
+from s2s_rt.toolcalls import ToolCallError, ToolCallFilter, UnknownFunction, frame, parse_call
 
 if TYPE_CHECKING:
     from s2s_rt.metrics import Metrics
@@ -48,8 +46,8 @@ NUDGE = "(Answer in words.)"
 NO_ANSWER = "Sorry, I have no answer to that."
 
 
-class Responder:
-    """The LLM stage of one stage.
+class Responder(Stage[SessionContext, ResponseRequest]):
+    """The LLM stage: streams each response's answer, cuts it into clauses to speak, and checks its function calls.
 
     Args:
         stage: the slot's stage context.
@@ -58,6 +56,8 @@ class Responder:
         to_tts: the speaking stage's queue.
     """
 
+    name = "llm"
+
     def __init__(
         self,
         stage: StageContext,
@@ -65,41 +65,27 @@ class Responder:
         inbox: asyncio.Queue[Any],
         to_tts: asyncio.Queue[Any],
     ) -> None:
-        self.stage = stage
-        self.serving = serving
-        self.inbox = inbox
+        super().__init__(stage, serving, inbox)
         self.to_tts = to_tts
         #: The answer being generated has its first words on their way (it then gives way to answers that do not).
         self._words_out = False
 
-    async def run(self) -> None:
-        await serve(self.stage, self.inbox, self._handle, "LLM")
+    async def forward(self, end: SessionEnd) -> None:
+        await self.to_tts.put(end)
 
-    async def _handle(self, item: Any) -> None:
-        stage = self.stage
-        if isinstance(item, SessionEnd):
-            await self.to_tts.put(item)
-            return
-        if item.scope.stale:
-            stage.metrics.dropped_stale.inc(stage="llm")
-            if isinstance(item, ResponseRequest) and item.anticipation is not None:
-                item.anticipation.drop("response closed")
-            return
-        ctx = self.serving()
-        assert ctx is not None
-        await run_scoped(item.scope, self._generate(ctx, item))
+    def dropped(self, item: ResponseRequest) -> None:
+        if isinstance(item, ResponseRequest) and item.anticipation is not None:
+            item.anticipation.drop("response closed")
 
-    async def _generate(self, ctx: SessionContext, req: ResponseRequest) -> None:
+    async def work(self, ctx: SessionContext, req: ResponseRequest) -> None:
         stage = self.stage
         session = ctx.session
         r = req.response
         scope = req.scope
-        tools, must_call = offered_tools(r.params.tools, r.params.tool_choice)
-        messages = with_answer_context(session.prompt(r), language=ctx.language, tools=bool(tools))
+        # As the answer begun in the turn's closing silence asked it (see Speculator._anticipate): then it is this one.
+        asked = answer_request(session.prompt(r), r.params, ctx.language)
+        tools = list(asked.tools)
         usage = LLMUsage()
-        asked = LLMRequest.of(
-            messages, max_tokens=r.token_limit, temperature=r.params.temperature, tools=tools, require_tool=must_call
-        )
         ahead = req.anticipation
         if ahead is not None:
             if ahead.answers(asked, r.params.speed, r.params.voice) and not ahead.scope.stale:
@@ -116,7 +102,7 @@ class Responder:
         clauses = ClauseSplitter(first_words=stage.first_clause_words, speed=r.params.speed)
         spoke = False
         self._words_out = False
-        made = stage.outbox.timings.get(r.id)  # when its first clause's speech was made
+        made = ctx.timings.of(r.id)  # when its first clause's speech was made
         told_invalid = asked_again = False
         before_told = asked  # the request before the model was told what was wrong with its call
         sent_any = False  # a call went to the client
@@ -142,14 +128,16 @@ class Responder:
                             urgent=lambda: not self._words_out,
                             # Spoken, it pauses at its first clause's end while that clause's speech is made.
                             pause=None
-                            if not r.audio or asked.tools or made is None
-                            else FirstWordsPause(
-                                ClauseSplitter(first_words=stage.first_clause_words).ends_first,
+                            if made is None
+                            else first_clause_pause(
+                                stage.first_clause_words,
+                                asked,
+                                r.audio,
                                 lambda: made.synthesised is not None or scope.stale,
                             ),
                         )
                     pieces = contextlib.nullcontext(stage.pools["llm"].stream(answer, gate=ctx.llm_gate))
-                timing = stage.outbox.timings.get(r.id)
+                timing = ctx.timings.of(r.id)
                 if ahead is not None and attempt == 0:
                     if timing is not None:
                         timing.ahead = ahead
@@ -158,6 +146,8 @@ class Responder:
                     async for piece in stream:
                         if scope.stale:
                             return
+                        if not piece:
+                            continue  # the engine is alive (it chose a function), nothing said yet
                         if timing is not None and timing.prompt_read is None:
                             timing.prompt_read = time.perf_counter()
                         for part in splitter.feed(piece):
@@ -247,7 +237,7 @@ class Responder:
             await self._say(r, TextPart(NO_ANSWER), clauses, calls)
         rest = clauses.flush()
         if rest and r.audio:
-            timing = stage.outbox.timings.get(r.id)
+            timing = ctx.timings.of(r.id)
             if timing is not None and timing.first_clause is None:  # the whole answer is one short clause
                 timing.first_clause, timing.clause_tokens = time.perf_counter(), usage.output_tokens
             await self.to_tts.put(Speak(scope, r, rest))
@@ -275,21 +265,18 @@ class Responder:
         stage = self.stage
         session = ctx.session
         pool = stage.pools["llm"]
-        loop = asyncio.get_running_loop()
-        give_up = loop.time() + PRIME_WAIT_S
-        while pool.running and loop.time() < give_up:
-            await asyncio.sleep(0.05)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(PRIME_WAIT_S):
+                await pool.idle()
         if pool.running or session.response is not None:
             stage.metrics.primes.inc(outcome="busy")
             return
-        messages, params = session.next_prompt()
-        tools, _ = offered_tools(params.tools, params.tool_choice)
-        # As the next answer will see it, up to its user turn.
-        messages = with_answer_context(messages, language=ctx.language, tools=bool(tools))
+        # As the next answer will ask it, up to its user turn.
+        following = answer_request(*session.next_prompt(), ctx.language)
         try:
             llm = stage.stack.llm
             assert isinstance(llm, ReadsAhead)
-            held = await pool.call(llm.prime, messages, tools, gate=ctx.llm_gate)
+            held = await pool.call(llm.prime, list(following.messages), list(following.tools), gate=ctx.llm_gate)
         except Exception as exc:  # the next answer reads everything, as without it
             log.warning("slot %d: reading the conversation ahead failed: %r", stage.index, exc)
             stage.metrics.primes.inc(outcome="failed")

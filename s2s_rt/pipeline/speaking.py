@@ -6,7 +6,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -14,12 +14,9 @@ from s2s_rt.audio import Resampler
 from s2s_rt.engines.base import Float32Array
 from s2s_rt.inference import EngineTimeout
 from s2s_rt.pipeline.anticipation import SpokenAhead
-from s2s_rt.pipeline.stage import serve
-from s2s_rt.pipeline.work import CallOut, ResponseEnd, SessionEnd, Speak, run_scoped
-
-if TYPE_CHECKING:
-    from s2s_rt.pipeline.context import SessionContext
-    from s2s_rt.pipeline.stage import StageContext
+from s2s_rt.pipeline.context import SessionContext
+from s2s_rt.pipeline.stage import Stage, StageContext
+from s2s_rt.pipeline.work import CallOut, ResponseEnd, SessionEnd, Speak
 
 log = logging.getLogger(__name__)
 
@@ -27,8 +24,8 @@ log = logging.getLogger(__name__)
 DELTA_MS = 100
 
 
-class Speaker:
-    """The TTS stage of one stage.
+class Speaker(Stage[SessionContext, Speak | CallOut | ResponseEnd]):
+    """The TTS stage: speaks each clause as audio deltas, and sends a response's text, calls and end in order.
 
     Args:
         stage: the slot's stage context.
@@ -38,6 +35,8 @@ class Speaker:
         read_ahead: called when an answer ended (the responding stage reads the conversation ahead).
     """
 
+    name = "tts"
+
     def __init__(
         self,
         stage: StageContext,
@@ -46,28 +45,22 @@ class Speaker:
         answered: Callable[[SessionContext], None],
         read_ahead: Callable[[SessionContext], None],
     ) -> None:
-        self.stage = stage
-        self.serving = serving
-        self.inbox = inbox
+        super().__init__(stage, serving, inbox)
         self.answered = answered
         self.read_ahead = read_ahead
         self._resampler: Resampler | None = None
         self._resampling_for: str | None = None
 
-    async def run(self) -> None:
-        await serve(self.stage, self.inbox, self._handle, "TTS")
+    async def forward(self, end: SessionEnd) -> None:
+        self._resampler = self._resampling_for = None
+        await self.stage.outbox.end_session(end)
 
-    async def _handle(self, item: Any) -> None:
+    def scoped(self, item: Speak | CallOut | ResponseEnd) -> bool:
+        # Only speech is cancelled halfway: a call, a text and a response's end are queued whole, in order.
+        return isinstance(item, Speak) and item.response.audio
+
+    async def work(self, ctx: SessionContext, item: Speak | CallOut | ResponseEnd) -> None:
         stage = self.stage
-        if isinstance(item, SessionEnd):
-            self._resampler = self._resampling_for = None
-            await stage.outbox.queue.put(item)
-            return
-        if item.scope.stale:
-            stage.metrics.dropped_stale.inc(stage="tts")
-            return
-        ctx = self.serving()
-        assert ctx is not None
         session = ctx.session
         r = item.response
         if isinstance(item, CallOut):
@@ -85,7 +78,7 @@ class Speaker:
         elif not r.audio:
             await stage.outbox.emit(r.text_delta(item.text), item.scope)
         else:
-            await run_scoped(item.scope, self._speak(ctx, item))
+            await self._speak(ctx, item)
 
     def _resampler_for(self, job: Speak) -> Resampler:
         r = job.response
@@ -140,7 +133,7 @@ class Speaker:
         step = max(fmt.bytes_per_sample, int(fmt.rate * DELTA_MS / 1000) * fmt.bytes_per_sample)
         chunks = [data[i : i + step] for i in range(0, len(data), step)]
         ms = 1000 * len(samples) / fmt.rate
-        timing = stage.outbox.timings.get(r.id)
+        timing = ctx.timings.of(r.id)
         if timing is not None and timing.first_audio is None:
             timing.first_audio = time.perf_counter()
             timing.synthesised = synthesised or timing.first_audio

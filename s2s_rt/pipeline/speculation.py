@@ -33,7 +33,6 @@ from s2s_rt.engines.base import (
     FirstWordsPause,
     Float32Array,
     JudgesTurnEnd,
-    LLMRequest,
     TakesTurns,
     Transcript,
     ms_to_samples,
@@ -41,13 +40,17 @@ from s2s_rt.engines.base import (
 )
 from s2s_rt.lifecycle import Lifecycle
 from s2s_rt.listening.buffer import join
-from s2s_rt.pipeline.anticipation import Anticipation, SpokenAhead, can_anticipate
+from s2s_rt.pipeline.anticipation import (
+    Anticipation,
+    SpokenAhead,
+    answer_request,
+    can_anticipate,
+    first_clause_pause,
+)
 from s2s_rt.pipeline.clauses import ClauseSplitter
 from s2s_rt.pipeline.turns import TurnState
 from s2s_rt.pipeline.work import TurnTiming
 from s2s_rt.scope import Scope
-from s2s_rt.spoken_answer import with_answer_context
-from s2s_rt.toolcalls import offered_tools
 from s2s_rt.turn import SemanticTurnEnd, shorten_pauses
 
 if TYPE_CHECKING:
@@ -386,42 +389,41 @@ class Speculator:
         ):
             return
         messages, params = conversation
-        tools, must_call = offered_tools(params.tools, params.tool_choice)
-        language = words.language or self.language()
-        messages = with_answer_context([*messages, ChatMessage("user", text)], language=language, tools=bool(tools))
-        request = LLMRequest.of(
-            messages, max_tokens=params.token_limit, temperature=params.temperature, tools=tools, require_tool=must_call
-        )
+        # As the turn's response will ask it (see Responder.work), its words last.
+        request = answer_request([*messages, ChatMessage("user", text)], params, words.language or self.language())
         scope = Scope("anticipation", parent=session.scope)
         ahead = self.anticipation = Anticipation(request, params.speed, params.voice, scope)
         guess.step(Event.ANTICIPATE)
-        speak = "audio" in params.modalities and not tools
-        splitter = ClauseSplitter(first_words=stage.first_clause_words) if speak else None
-        answer = _answer_ahead(stage, ahead, splitter, stage.voice(params.voice))
+        pause = first_clause_pause(
+            stage.first_clause_words, request, "audio" in params.modalities, lambda: ahead.first_spoken
+        )
+        # Spoken (it pauses at its first clause's end): its first clause is cut, and spoken, ahead too.
+        splitter = ClauseSplitter(first_words=stage.first_clause_words) if pause is not None else None
+        answer = _answer_ahead(stage, ahead, splitter, pause, stage.voice(params.voice))
         if stage.spawn(ahead.scope, answer, "ahead") is None:
             ahead.end()  # its session is closing: nothing to adopt
 
 
 async def _answer_ahead(
-    stage: StageContext, ahead: Anticipation, splitter: ClauseSplitter | None, voice: str | None
+    stage: StageContext,
+    ahead: Anticipation,
+    splitter: ClauseSplitter | None,
+    pause: FirstWordsPause | None,
+    voice: str | None,
 ) -> None:
     """Stream the answer into ``ahead``, and synthesise its first clause in ``voice`` if given a splitter.
 
-    ``splitter`` is a fresh clause splitter, as the LLM stage would cut the answer (None: text only).
+    ``splitter`` is a fresh clause splitter, as the LLM stage would cut the answer (None: text only);
+    ``pause``, where the model pauses while that clause's speech is made (:func:`first_clause_pause`).
     """
     llm = stage.stack.llm
     stream = functools.partial(llm.stream, ahead.request, should_stop=lambda: ahead.scope.stale, usage=ahead.usage)
     if isinstance(llm, TakesTurns):
-        # Urgent until its first clause is cut (or, unspoken, its first words are out); spoken, it pauses at
-        # that clause's end while its speech is made.
+        # Urgent until its first clause is cut (or, unspoken, its first words are out).
         stream = functools.partial(
             stream,
             urgent=lambda: (ahead.first_clause is None) if splitter is not None else not ahead.pieces,
-            pause=None
-            if splitter is None
-            else FirstWordsPause(
-                ClauseSplitter(first_words=stage.first_clause_words).ends_first, lambda: ahead.first_spoken
-            ),
+            pause=pause,
         )
     try:
         async for piece in stage.pools["llm"].stream(stream, gate=ahead.gate):

@@ -10,15 +10,18 @@ from typing import Any
 
 from s2s_rt.engines.base import PIPELINE_RATE, Transcript
 from s2s_rt.pipeline.context import SessionContext
-from s2s_rt.pipeline.stage import StageContext, serve
-from s2s_rt.pipeline.work import ResponseRequest, SessionEnd, Transcribe, TurnTiming, run_scoped
+from s2s_rt.pipeline.stage import Stage, StageContext
+from s2s_rt.pipeline.work import ResponseRequest, SessionEnd, Transcribe
 from s2s_rt.turn import shorten_pauses
 
 log = logging.getLogger(__name__)
 
 
-class Transcriber:
-    """The STT stage of one stage.
+class Transcriber(Stage[SessionContext, Transcribe | ResponseRequest]):
+    """The STT stage: transcribes each committed user turn, sends its transcript, and starts the turn's response.
+
+    A ``response.create`` (a :class:`ResponseRequest`) passes through it to
+    the responding stage, behind the turns committed before it.
 
     Args:
         stage: the slot's stage context.
@@ -27,6 +30,8 @@ class Transcriber:
         to_llm: the responding stage's queue.
     """
 
+    name = "stt"
+
     def __init__(
         self,
         stage: StageContext,
@@ -34,30 +39,19 @@ class Transcriber:
         inbox: asyncio.Queue[Any],
         to_llm: asyncio.Queue[Any],
     ) -> None:
-        self.stage = stage
-        self.serving = serving
-        self.inbox = inbox
+        super().__init__(stage, serving, inbox)
         self.to_llm = to_llm
 
-    async def run(self) -> None:
-        await serve(self.stage, self.inbox, self._handle, "STT")
+    async def forward(self, end: SessionEnd) -> None:
+        await self.to_llm.put(end)
 
-    async def _handle(self, item: Any) -> None:
-        stage = self.stage
-        if isinstance(item, SessionEnd):
-            await self.to_llm.put(item)
-            return
-        if item.scope.stale:
-            stage.metrics.dropped_stale.inc(stage="stt")
-            return
-        if isinstance(item, ResponseRequest):
-            await self.to_llm.put(item)
-            return
-        ctx = self.serving()
-        assert ctx is not None
-        await run_scoped(item.scope, self._transcribe(ctx, item))
+    def scoped(self, item: Transcribe | ResponseRequest) -> bool:
+        return not isinstance(item, ResponseRequest)  # passed on whole, not cancelled halfway
 
-    async def _transcribe(self, ctx: SessionContext, job: Transcribe) -> None:
+    async def work(self, ctx: SessionContext, job: Transcribe | ResponseRequest) -> None:
+        if isinstance(job, ResponseRequest):
+            await self.to_llm.put(job)
+            return
         stage = self.stage
         session = ctx.session
         tr = session.config.transcription
@@ -95,11 +89,10 @@ class Transcriber:
             events = session.start_response(None)
             r = session.response
             assert r is not None
-            timing = job.timing or TurnTiming()
+            timing = ctx.timings.begin(r.id, job.timing)
             if job.speculation is None or timing.transcribed is None:
                 timing.transcribed = time.perf_counter()
             timing.user_text = text
-            stage.outbox.timings[r.id] = timing
             await stage.outbox.emit(events, session.scope)
             await self.to_llm.put(ResponseRequest(r.scope, r, ahead))
         elif ahead is not None:

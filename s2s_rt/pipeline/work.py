@@ -199,6 +199,34 @@ class TurnTiming:
         return self.clause_tokens
 
 
+class ResponseTimings:
+    """One session's :class:`TurnTiming` of each response in flight, by response id.
+
+    The session owns it (:class:`~s2s_rt.pipeline.context.SessionContext`):
+    a response's timing begins when the response is created (:meth:`begin`),
+    the stages fill in their steps (:meth:`of`), and the outbox ends it as the
+    response's ``response.done`` is queued (:meth:`end`). It goes with the
+    session: nothing of one session's timings reaches the next.
+    """
+
+    def __init__(self) -> None:
+        self._by_response: dict[str, TurnTiming] = {}
+
+    def begin(self, response_id: str, timing: TurnTiming | None = None) -> TurnTiming:
+        """The response was created: its timing (``timing``, begun at the turn's end, or a new one)."""
+        timing = timing if timing is not None else TurnTiming()
+        self._by_response[response_id] = timing
+        return timing
+
+    def of(self, response_id: str) -> TurnTiming | None:
+        """The timing of a response in flight (None: unknown, or ended)."""
+        return self._by_response.get(response_id)
+
+    def end(self, response_id: str) -> TurnTiming | None:
+        """The response is done: its timing, taken out (None: it had none)."""
+        return self._by_response.pop(response_id, None)
+
+
 async def run_scoped(scope: Scope, coro: Coroutine[Any, Any, None]) -> None:
     """Run ``coro`` as a task that is cancelled the moment ``scope`` closes.
 

@@ -26,7 +26,7 @@ from typing import Any
 from s2s_rt.lifecycle import Lifecycle
 from s2s_rt.protocol import server_events as se
 from s2s_rt.protocol.conversation import Conversation, SpokenSegment
-from s2s_rt.protocol.errors import ProtocolError
+from s2s_rt.protocol.errors import ServerFault
 from s2s_rt.protocol.response_params import ResponseParams
 from s2s_rt.protocol.server_events import Dialect, new_id, snapshot
 from s2s_rt.scope import Scope
@@ -213,7 +213,7 @@ class Response:
         """End ``failed``; an ``error`` event tells the client why."""
         events = self._end(Step.FAIL, "failed", {"type": "failed", "error": {"type": "server_error", "code": code}})
         if events:
-            err = ProtocolError(code, message, type="server_error")
+            err = ServerFault(code, message)
             events.append(
                 self._ev(
                     se.Error,

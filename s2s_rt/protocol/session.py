@@ -27,7 +27,7 @@ from s2s_rt.protocol.config import (
     render,
 )
 from s2s_rt.protocol.conversation import Conversation
-from s2s_rt.protocol.errors import ProtocolError
+from s2s_rt.protocol.errors import ProtocolError, RealtimeError
 from s2s_rt.protocol.prompt import build_prompt
 from s2s_rt.protocol.response import Response
 from s2s_rt.protocol.response_params import ResponseParams, settle
@@ -78,7 +78,7 @@ class Session:
     def _ev(self, cls: type[se.E], ga_name: str, **fields: Any) -> se.E:
         return self.dialect.event(cls, ga_name, **fields)
 
-    def error(self, exc: ProtocolError) -> se.Error:
+    def error(self, exc: RealtimeError) -> se.Error:
         return self._ev(
             se.Error,
             "error",

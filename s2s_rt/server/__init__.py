@@ -4,9 +4,14 @@
 - :mod:`~s2s_rt.server.stack`: loading the engines the config names.
 - :mod:`~s2s_rt.server.pool`: the slots, and :meth:`~s2s_rt.server.pool.Pool.claim`.
 - :mod:`~s2s_rt.server.handshake`: session paths, API keys, subprotocols, client addresses.
-- :mod:`~s2s_rt.server.http`: health, readiness, the pool, metrics, drain, the browser page.
+- :mod:`~s2s_rt.server.http`: health, readiness, the pool, metrics, drain, the browser page, and the POST routes.
+- :mod:`~s2s_rt.server.posts`: requests with bodies (POST, OPTIONS) on the session port, read by h11.
+- :mod:`~s2s_rt.server.secrets`: client secrets (``ek_…``), minted and checked.
 - :mod:`~s2s_rt.server.connection`: one connection's life, its rate limits and deadlines.
-- :mod:`~s2s_rt.server.direct`: the socket's direct route for audio appends.
+- :mod:`~s2s_rt.server.direct`: the socket's direct route for audio appends, and its paced parsing.
+- :mod:`~s2s_rt.server.calls`: WebRTC calls, from the offer to the hangup, admitted as WebSockets are.
+- :mod:`~s2s_rt.server.webrtc`: one call through aiortc: its events channel, its audio both ways.
+- :mod:`~s2s_rt.server.internals`: what the server uses of websockets, aiortc and aioice beyond their public API.
 - :mod:`~s2s_rt.server.state`: what the connections and routes may ask of the server.
 """
 

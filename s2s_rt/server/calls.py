@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import email.parser
 import email.policy
+import functools
 import json
 import logging
 import os
@@ -266,7 +267,8 @@ class Calls:
                 await slot.end_session()
                 log.info("call %s from %s ended before its session began: %s", call.id, client, why)
                 return
-            await self.connections.serve(slot, call, session, client, lambda: self.connections.receive_call(call, slot))
+            receive = functools.partial(self.connections.receive_call, call)
+            await self.connections.serve(slot, call, session, client, receive)
         except Exception:
             log.exception("call %s failed", call.id)
         finally:

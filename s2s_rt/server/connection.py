@@ -14,11 +14,11 @@ from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed, ConnectionClosedOK
 from websockets.http11 import Request
 
-from s2s_rt.config import Config
+from s2s_rt.config import Config, mib
 from s2s_rt.engines.base import Stack
 from s2s_rt.metrics import Metrics
-from s2s_rt.pipeline.outbox import Channel, close_quickly
-from s2s_rt.protocol.errors import ProtocolError
+from s2s_rt.pipeline.ports import Channel, close_quickly
+from s2s_rt.protocol.errors import ProtocolError, ServerFault
 from s2s_rt.protocol.server_events import BETA, GA, Dialect, encode_event
 from s2s_rt.protocol.session import Session
 from s2s_rt.server.direct import DirectConnection
@@ -35,13 +35,9 @@ from s2s_rt.server.secrets import PREFIX as SECRET_PREFIX
 from s2s_rt.server.secrets import ClientSecret, ClientSecrets
 from s2s_rt.server.state import Serving
 from s2s_rt.server.webrtc import HEARD_FORMAT, Call
-from s2s_rt.slot import Slot
+from s2s_rt.slot import SessionPort, Slot
 
 log = logging.getLogger(__name__)
-
-
-def mib(mib: float) -> int:
-    return int(mib * 1024 * 1024)
 
 
 class Connections:
@@ -104,7 +100,7 @@ class Connections:
         self.metrics.rejections.inc(reason=code)
         self.metrics.errors.inc(code=code)
         dialect = BETA if wants_beta(ws.request) else GA
-        err = Session(dialect).error(ProtocolError(code, text, type="server_error"))
+        err = Session(dialect).error(ServerFault(code, text))
         try:
             await ws.send(encode_event(err), text=True)
             await ws.close(close_code, code.replace("_", " "))
@@ -162,7 +158,7 @@ class Connections:
             await slot.end_session()
             raise
         assert isinstance(ws, DirectConnection)  # serve() makes every connection one
-        await self.serve(slot, ws, session, client, lambda: self._receive_loop(ws, slot))
+        await self.serve(slot, ws, session, client, functools.partial(self._receive_loop, ws))
 
     async def serve(
         self,
@@ -170,29 +166,32 @@ class Connections:
         channel: Channel,
         session: Session,
         client: str,
-        receive: Callable[[], Awaitable[str | None]],
+        receive: Callable[[SessionPort], Awaitable[str | None]],
     ) -> None:
         """Serve a session on a claimed slot until ``receive`` returns (why the session ended, or None).
 
-        The same for every transport: from the claim on, whatever happens, the slot is handed back.
+        ``receive`` feeds the session's port (:class:`~s2s_rt.slot.SessionPort`), the one thing of the
+        slot a transport holds. The same for every transport: from the claim on, whatever happens, the
+        slot is handed back.
         """
         started = time.monotonic()
         reason = "client closed"
+        port: SessionPort | None = None
         try:
             self.metrics.sessions_total.inc()
-            await slot.attach(channel, session, client)
+            port = await slot.attach(channel, session, client)
             log.info(
                 "session %s started on slot %d for %s (%s%s)",
                 session.id,
                 slot.index,
                 client,
                 "beta" if session.dialect.beta else "GA",
-                ", WebRTC" if channel.media is not None else "",
+                ", WebRTC" if channel.playback.takes_audio else "",
                 extra={
                     "fields": {"event": "session_start", "session": session.id, "slot": slot.index, "client": client}
                 },
             )
-            reason = await receive() or reason
+            reason = await receive(port) or reason
         except ConnectionClosedOK:
             reason = "client closed"
         except ConnectionClosed:
@@ -204,7 +203,7 @@ class Connections:
         finally:
             if channel.close_code not in (None, 1000, 1001, 1005) and reason == "client closed":
                 reason = f"closed with {channel.close_code}"
-            clean = await slot.end_session()
+            clean = await (port.end() if port is not None else slot.end_session())
             turns = session.turns
             log.info(
                 "session %s ended on slot %d: %s after %.1f s, %d turns%s",
@@ -239,7 +238,7 @@ class Connections:
                     return found
         return None
 
-    async def receive_call(self, call: Call, slot: Slot) -> str | None:
+    async def receive_call(self, call: Call, port: SessionPort) -> str | None:
         """Feed a call's events (its data channel) and audio (its track) to its slot until the call ends.
 
         Events pass the same budget as a WebSocket's; audio is not an event
@@ -253,10 +252,8 @@ class Connections:
         budget = EventBudget(cfg.max_events_per_s, cfg.max_events_burst)
         refusals = Refusals()
         activity = Activity(loop.time())
-        watchdog = asyncio.create_task(self._watch(call, slot, activity), name=f"slot{slot.index}-watchdog")
-        ctx = slot.ctx
-        assert ctx is not None
-        hear = functools.partial(slot.dispatch.media_audio, ctx, HEARD_FORMAT)
+        watchdog = asyncio.create_task(self._watch(call, port, activity), name=f"slot{port.index}-watchdog")
+        hear = functools.partial(port.hear, HEARD_FORMAT)
 
         def heard(pcm: bytes) -> None:
             # The caller's audio is its activity, as appends are a WebSocket's (idle_session_s counts from it).
@@ -267,7 +264,7 @@ class Connections:
         try:
             # The call's end (whoever ended it, the watchdog too) puts None in its inbox.
             while (message := await call.inbox.get()) is not None:
-                if await self._one_message(slot, message, loop.time(), activity, budget, refusals):
+                if await self._one_message(port, message, loop.time(), activity, budget, refusals):
                     return "flood"
         finally:
             call.hear = None
@@ -275,7 +272,7 @@ class Connections:
             await asyncio.wait((watchdog,))
         return call.why if watchdog.cancelled() else watchdog.result()
 
-    async def _receive_loop(self, ws: ServerConnection, slot: Slot) -> str | None:
+    async def _receive_loop(self, ws: ServerConnection, port: SessionPort) -> str | None:
         """Feed the client's frames to its slot until the socket closes or a limit ends the session.
 
         One watchdog per connection keeps its deadlines (session length,
@@ -290,7 +287,7 @@ class Connections:
         refusals = Refusals()
         activity = Activity(loop.time())
         assert isinstance(ws, DirectConnection)  # serve() makes every connection one
-        watchdog = asyncio.create_task(self._watch(ws, slot, activity), name=f"slot{slot.index}-watchdog")
+        watchdog = asyncio.create_task(self._watch(ws, port, activity), name=f"slot{port.index}-watchdog")
 
         def direct(data: bytes | bytearray | memoryview) -> bool:
             # An append is handled as its frame is parsed: no task wakes per message.
@@ -306,7 +303,7 @@ class Connections:
                 budget.give_back()
                 return False  # a notice is owed first: the usual way sends it
             # Not UTF-8 is not valid JSON either: declined, and the usual way closes with 1007.
-            if not slot.dispatch.receive_now(data):
+            if not port.receive_now(data):
                 budget.give_back()
                 return False
             refusals.accepted(now)
@@ -317,7 +314,7 @@ class Connections:
             async for message in ws:
                 # From here until it is handled, nothing may overtake it on the direct route.
                 with ws.handling():
-                    if await self._one_message(slot, message, loop.time(), activity, budget, refusals):
+                    if await self._one_message(port, message, loop.time(), activity, budget, refusals):
                         return "flood"
                     if refusals.unreported:
                         ws.refusing()  # refused the usual way: the connection's next frames wait too
@@ -331,7 +328,13 @@ class Connections:
         return watchdog.result()
 
     async def _one_message(
-        self, slot: Slot, message: str | bytes, now: float, activity: Activity, budget: EventBudget, refusals: Refusals
+        self,
+        port: SessionPort,
+        message: str | bytes,
+        now: float,
+        activity: Activity,
+        budget: EventBudget,
+        refusals: Refusals,
     ) -> bool:
         """Handle one message that came the usual way; True when the connection is flooding and was closed."""
         cfg = self.config
@@ -339,23 +342,23 @@ class Connections:
         if budget.take(now):
             unreported = refusals.accepted(now)
             if unreported:
-                await self._refused(slot, unreported)
-            await slot.receive(message)
+                await self._refused(port, unreported)
+            await port.receive(message)
             return False
         # Refusing must cost less than the abuse: one notice a second, with a count.
         unreported = refusals.refuse(now)
         if unreported:
-            await self._refused(slot, unreported)
+            await self._refused(port, unreported)
         if refusals.flooding_for(now) >= cfg.flood_close_s:
             text = f"Events were refused for {cfg.flood_close_s:g} s in a row; closing this connection"
-            await slot.end_with_error(ProtocolError("rate_limit_flood", text), 1008)
+            await port.end_with_error(ProtocolError("rate_limit_flood", text), 1008)
             return True
         return False
 
-    async def _refused(self, slot: Slot, count: int) -> None:
+    async def _refused(self, port: SessionPort, count: int) -> None:
         cfg = self.config
         self.metrics.errors.inc(count - 1, code="rate_limit_exceeded")
-        await slot.error(
+        await port.error(
             ProtocolError(
                 "rate_limit_exceeded",
                 f"Too many events: at most {cfg.max_events_per_s:g} per second (burst {cfg.max_events_burst});"
@@ -363,7 +366,7 @@ class Connections:
             )
         )
 
-    async def _watch(self, ws: Channel, slot: Slot, activity: Activity) -> str:
+    async def _watch(self, ws: Channel, port: SessionPort, activity: Activity) -> str:
         """Sleep until the connection's next deadline; end the session when one has passed."""
         cfg = self.config
         loop = asyncio.get_running_loop()
@@ -373,11 +376,11 @@ class Connections:
             send_check = loop.time() + cfg.send_timeout_s
             await asyncio.sleep(max(0.0, min(expires, idle_at, send_check) - loop.time()))
             now = loop.time()
-            if slot.outbox.stuck_for() >= cfg.send_timeout_s:
+            if port.stuck_for() >= cfg.send_timeout_s:
                 # The client stopped reading and its buffers are full: close it
                 # (1008) rather than let its output pile up. Only this slot waits.
                 self.metrics.errors.inc(code="client_not_reading")
-                log.warning("slot %d: client %s stopped reading; closing it", slot.index, slot.outbox.client)
+                log.warning("slot %d: client %s stopped reading; closing it", port.index, port.client)
                 await close_quickly(ws, 1008, "client is not reading its events")
                 return "client not reading"
             expired = now >= expires
@@ -387,7 +390,7 @@ class Connections:
                     if expired
                     else f"The session was idle for {cfg.idle_session_s:g} s"
                 )
-                await slot.end_with_error(ProtocolError("session_expired", text, type="invalid_request_error"), 1001)
+                await port.end_with_error(ProtocolError("session_expired", text, type="invalid_request_error"), 1001)
                 return "expired" if expired else "idle"
 
 

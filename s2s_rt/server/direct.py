@@ -18,11 +18,17 @@ And while the handler refuses a connection's events (see :meth:`refusing`),
 its next frames wait a little: refusing must cost less than the abuse, and
 a loop kept busy by one flood (even in small turns) starves the engines'
 threads of the GIL, so the other sessions' turns still took several times longer.
+
+Both reach past the public API of ``websockets``, which offers no way to know
+whether a message waits for ``recv()`` without awaiting it, nor a hook for
+when its queue has room again: :mod:`~s2s_rt.server.internals` lists what is
+used, and a server refuses to start on a version that lacks it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import weakref
 from collections.abc import Callable, Iterator
@@ -33,7 +39,8 @@ from websockets.asyncio.server import ServerConnection
 from websockets.frames import Frame, Opcode
 from websockets.protocol import Event, State
 
-from s2s_rt.server import posts
+from s2s_rt.pipeline.ports import ClientPlays
+from s2s_rt.server import internals, posts
 
 log = logging.getLogger(__name__)
 
@@ -65,12 +72,21 @@ class DirectConnection(ServerConnection):
     post_tasks: ClassVar[set[asyncio.Task[None]]] = set()
     #: The requests with bodies still being read (a client may send its body slowly, or never finish it).
     reading: ClassVar[weakref.WeakSet[posts.Exchange]] = weakref.WeakSet()
-    #: What a session's audio travels on besides its events (a WebSocket: nothing; see the Channel protocol).
-    media = None
+
+    @functools.cached_property
+    def playback(self) -> ClientPlays:
+        """Where the answers' audio plays: the client plays what it is sent (see the Channel protocol)."""
+        return ClientPlays()
 
     @classmethod
     def answering(cls, answer: posts.Answer) -> type[DirectConnection]:
-        """This class, answering POST and OPTIONS requests with ``answer`` (one server's connections)."""
+        """This class, answering POST and OPTIONS requests with ``answer`` (one server's connections).
+
+        Raises:
+            RuntimeError: the installed websockets lacks what this class uses of it (see
+                :func:`~s2s_rt.server.internals.require_websockets`); run in the server's event loop.
+        """
+        internals.require_websockets()
         attrs = {"answer_post": staticmethod(answer), "post_tasks": set(), "reading": weakref.WeakSet()}
         return type(cls.__name__, (cls,), attrs)
 

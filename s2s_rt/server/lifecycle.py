@@ -25,13 +25,13 @@ from typing import Any
 
 from websockets.asyncio.server import serve
 
-from s2s_rt.config import DEFAULT_SPECULATE_AFTER_MS, Config
+from s2s_rt.config import DEFAULT_SPECULATE_AFTER_MS, Config, mib
 from s2s_rt.engines.base import KeepsPrefixes, Stack
 from s2s_rt.inference import StagePool
 from s2s_rt.listening.clock import ListeningClock
 from s2s_rt.metrics import Metrics
 from s2s_rt.server.calls import Calls
-from s2s_rt.server.connection import Connections, mib
+from s2s_rt.server.connection import Connections
 from s2s_rt.server.direct import DirectConnection
 from s2s_rt.server.handshake import select_subprotocol
 from s2s_rt.server.http import Routes
@@ -259,7 +259,7 @@ class Server:
 
         def busy() -> bool:
             assert self.pool is not None
-            return any(s.ctx is not None and s.ctx.session.response is not None for s in self.pool.slots)
+            return any(s.session is not None and s.session.response is not None for s in self.pool.slots)
 
         while busy():
             self.pool.changed.clear()
@@ -326,12 +326,8 @@ class Server:
     def _held_bytes(self) -> dict[str, int]:
         held = {"output": 0, "input_audio": 0, "conversation": 0, "resampler_cache": 0}
         for slot in self.pool.slots if self.pool is not None else ():
-            held["output"] += slot.outbox.budget.used
-            held["input_audio"] += slot.input_budget.used
-            ctx = slot.ctx
-            if ctx is not None:
-                held["conversation"] += ctx.session.conversation.bytes
-                held["resampler_cache"] += ctx.audio.resampler.cache_bytes
+            for where, size in slot.held_bytes().items():
+                held[where] += size
         return held
 
     def _overdue_calls(self) -> int:

@@ -82,7 +82,7 @@ class Pool:
             1
             for s in self.slots
             if s.state is SlotState.DRAINING
-            or (s.state is SlotState.ACTIVE and s.ctx is not None and not s.ctx.channel.is_open)
+            or (s.state is SlotState.ACTIVE and s.session is not None and not s.channel_open)
         )
 
     def active(self) -> int:
@@ -104,8 +104,8 @@ class Pool:
                     "index": s.index,
                     "state": s.state.value,
                     "for_s": round(now - s.state_since, 3),
-                    "session_id": s.ctx.session.id if s.ctx is not None else None,
-                    "client": s.ctx.client if s.ctx is not None else None,
+                    "session_id": s.session.id if s.session is not None else None,
+                    "client": s.client,
                     "sessions_served": s.sessions_served,
                     "quarantine_reason": s.quarantine_reason,
                 }

@@ -16,7 +16,7 @@ A call holds its slot from the offer on. If its data channel does not open
 within ``call_timeout_s`` (ICE never completed, or the client never opened
 it), or the data channel or the peer connection closes, or the client
 posts ``/v1/realtime/calls/{id}/hangup``, its session ends and the slot goes
-back, as when a WebSocket closes.
+back, as when a WebSocket closes. (Past aiortc's and aioice's public API: :mod:`~s2s_rt.server.internals`.)
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ from av import AudioFrame
 from websockets.exceptions import ConnectionClosed
 
 from s2s_rt.audio import AudioFormat, resample
-from s2s_rt.pipeline.outbox import EventTooLarge
+from s2s_rt.pipeline.ports import EventTooLarge
+from s2s_rt.server import internals
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +90,8 @@ class Playback(MediaStreamTrack):
     """
 
     kind = "audio"
+    #: The audio is played here, on the call's track (:class:`~s2s_rt.pipeline.ports.Playback`).
+    takes_audio = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -202,7 +205,7 @@ class Call:
 
     It is the session's channel (what the send loop writes to), as a
     WebSocket connection is: :meth:`send`, :meth:`close`, :meth:`abort`,
-    :attr:`is_open`, and :attr:`media`, the audio it plays.
+    :attr:`is_open`, and :attr:`playback`, the audio it plays.
 
     Args:
         call_id: the id in the answer's ``Location`` (``rtc_…``).
@@ -212,7 +215,7 @@ class Call:
     def __init__(self, call_id: str, configuration: RTCConfiguration) -> None:
         self.id = call_id
         self.pc = RTCPeerConnection(configuration)
-        self.media = Playback()
+        self.playback = Playback()
         self.channel: Any = None
         self.inbox: asyncio.Queue[str | bytes | None] = asyncio.Queue()
         #: Set when the events channel opens (ICE and DTLS are done).
@@ -277,12 +280,13 @@ class Call:
         audio = [t for t in self.pc.getTransceivers() if t.kind == "audio"]
         if not audio:
             raise ValueError("the offer has no audio track")
-        audio[0].sender.replaceTrack(self.media)
+        audio[0].sender.replaceTrack(self.playback)
         audio[0].direction = "sendrecv"
         hold_less(audio[0].receiver)
         answer = await self.pc.createAnswer()
         await self.pc.setLocalDescription(answer)
-        return str(self.pc.localDescription.sdp)
+        internals.require_ports_in_range(sdp := str(self.pc.localDescription.sdp))  # not ports a firewall drops
+        return sdp
 
     def end(self, why: str) -> None:
         """The call is over: nothing more is sent or heard; the peer connection closes in the background."""
@@ -393,16 +397,17 @@ def check_consent_often() -> None:
 
     aioice reads its module's two constants each time it waits and counts (it
     offers no setting); they are process-wide, and the server's calls are the
-    only ICE connections of its process.
+    only ICE connections of its process. An aioice without them is left alone.
     """
-    aioice.ice.CONSENT_INTERVAL = CONSENT_INTERVAL_S  # type: ignore[assignment]
-    aioice.ice.CONSENT_FAILURES = CONSENT_FAILURES
+    if internals.consent_adjustable():
+        aioice.ice.CONSENT_INTERVAL = CONSENT_INTERVAL_S  # type: ignore[assignment]
+        aioice.ice.CONSENT_FAILURES = CONSENT_FAILURES
 
 
 def max_message_size(channel: Any) -> int:
     """The largest message the peer of ``channel`` takes, as its SDP said (``a=max-message-size``); 0: no limit.
 
-    aiortc keeps it on the SCTP transport and refuses a larger message with ``ValueError``.
+    aiortc keeps it privately on the SCTP transport (since 1.16) and refuses a larger one with ``ValueError``.
     """
     return int(getattr(getattr(channel, "transport", None), "_remote_max_message_size", 0) or 0)
 
@@ -416,12 +421,11 @@ def hold_less(receiver: Any) -> None:
     """Give a call's audio receiver a jitter buffer that holds :data:`RECEIVE_PREFETCH` packets.
 
     aiortc fixes it at four packets and offers no setting; its buffer is
-    replaced before the first packet arrives (aiortc is pinned; a version
-    without the attribute keeps its own buffer).
+    replaced before the first packet arrives (where aiortc no longer allows
+    it, the receiver keeps its own).
     """
-    name = "_RTCRtpReceiver__jitter_buffer"
-    if hasattr(receiver, name):
-        setattr(receiver, name, JitterBuffer(capacity=16, prefetch=RECEIVE_PREFETCH))
+    if internals.jitter_buffer_replaceable(receiver):
+        setattr(receiver, internals.JITTER_BUFFER, JitterBuffer(capacity=16, prefetch=RECEIVE_PREFETCH))
 
 
 def mono_pcm16(frame: AudioFrame) -> bytes:
@@ -454,6 +458,7 @@ def bind_media_in(ports: range) -> None:
     original = loop.create_datagram_endpoint
     if getattr(original, "media_ports", None) == ports:
         return
+    internals.require_binds()  # or RuntimeError; and Call.answer checks each call's ports
 
     async def in_range(factory: Any, local_addr: Any = None, **kw: Any) -> Any:
         if local_addr is None or local_addr[1] != 0:

@@ -231,6 +231,9 @@ function parseEvent(data) {
 //   setMicrophone(open)  whether the server hears the microphone now
 //   serverPlays          the server plays the answer, and truncates it at what was heard, itself
 //   audioLagMs           how much later than the events the microphone's audio reaches the server
+//   clocksTrack          the server's input audio clock (audio_start_ms, audio_end_ms) counts every
+//                        frame of the microphone's track from connect() on (a muted track sends
+//                        silence), not only what sendAudio sent
 
 // Why a session did not start: the page's state, an error code and the message shown.
 class Refusal extends Error {
@@ -264,6 +267,7 @@ class WebSocketTransport {
     this.ws = null;
     this.serverPlays = false;
     this.audioLagMs = 0; // the appends travel in order with the other events
+    this.clocksTrack = false; // the server's clock counts the appends
     this.onEvent = () => {};
     this.onClose = () => {};
   }
@@ -347,6 +351,9 @@ class WebRtcTransport {
     // the network, its jitter buffer), while an event arrives at once: a commit waits for the last
     // words to have arrived.
     this.audioLagMs = 150;
+    // The server hears the track from the moment the data channel opens (connect() resolves) and counts
+    // its frames; what it hears first was captured those 50-100 ms before.
+    this.clocksTrack = true;
     this.onEvent = () => {};
     this.onClose = () => {};
     this.onTrack = () => {}; // the answer's stream, once it arrives
@@ -528,7 +535,10 @@ async function start() {
     playingSince: null, // WebRTC: since when (performance.now()) s2s.playing has played
     lastAssistantItem: null,
     lastUserItem: null,
-    turnEndAt: null, // performance.now() at the end of the user's turn
+    turnEndAt: null, // performance.now() at the end of the user's speech
+    heard: new InputClock(), // the server's input audio clock, on the page's
+    clockRunning: false, // whether the server's clock counts every microphone frame now (a call's track)
+    silenceMs: 0, // server_vad: the silence that ends a turn (speech_stopped's audio_end_ms includes it)
     interrupted: new Set(), // assistant items whose late audio is dropped
     pendingClears: new Map(), // item id -> was its response still streaming
     cancelled: new Set(), // responses cancelled (by the page, or by the server on a barge-in)
@@ -592,6 +602,7 @@ async function start() {
     return;
   }
   if (conn !== c) return;
+  c.clockRunning = c.transport.clocksTrack;
   s2s.callId = c.transport.id || null;
   c.transport.setMicrophone(micOpen(c));
   send(c, { type: "session.update", session: sessionConfig() });
@@ -662,13 +673,42 @@ function micOpen(c) {
 
 function onMicrophone(c, { pcm, level }) {
   if (conn !== c) return;
+  const at = performance.now();
   s2s.micLevel = level;
   setLevel(level);
-  if (s2s.state !== "ready" || !micOpen(c)) return;
   const samples = new Int16Array(pcm);
+  const sent = s2s.state === "ready" && micOpen(c);
+  if (sent || c.clockRunning) c.heard.add(samples.length, at);
+  if (!sent) return;
   c.transport.sendAudio(samples);
   s2s.sentSamples += samples.length;
   if (c.talking) c.talkSamples += samples.length;
+}
+
+// The server's input audio clock (audio_start_ms, audio_end_ms: milliseconds of the session's input
+// audio it has heard) on the page's own: for each chunk of microphone audio the server counts, where
+// that clock stood after it and when the page captured it.
+class InputClock {
+  constructor() {
+    this.samples = 0;
+    this.marks = []; // [{end, at}]: the clock in samples after a chunk, and performance.now() then
+  }
+
+  add(samples, at) {
+    this.samples += samples;
+    this.marks.push({ end: this.samples, at });
+    if (this.marks.length > 3000) this.marks.splice(0, 1500); // the last 30-60 s are enough
+  }
+
+  // When the page captured the audio at `ms` on the server's clock (null before any audio).
+  at(ms) {
+    const marks = this.marks;
+    if (!marks.length) return null;
+    const sample = (ms * RATE) / 1000;
+    let i = marks.length - 1;
+    while (i > 0 && marks[i - 1].end >= sample) i--;
+    return marks[i].at - ((marks[i].end - sample) * 1000) / RATE;
+  }
 }
 
 function talkPressed() {
@@ -738,14 +778,34 @@ function setTransport(transport) {
 
 // --- playback and barge-in ------------------------------------------------------------
 
-// The first sound of an answer after the end of the user's turn: the turn's latency.
+// The first sound of an answer after the end of the user's speech: the turn's latency, as the user waits.
 function firstAudio(c, itemId, at = performance.now()) {
   if (c.turnEndAt === null) return;
   const latencyMs = Math.round(at - c.turnEndAt);
   c.turnEndAt = null;
   s2s.turns.push({ userItemId: c.lastUserItem, assistantItemId: itemId, latencyMs });
-  if (itemId) setMeta(itemId, "assistant", `first audio after ${latencyMs} ms`);
+  if (itemId) setMeta(itemId, "assistant", `first audio ${latencyMs} ms after your last word`);
   renderLatency();
+}
+
+// Hands-free: when the user stopped speaking, on the page's clock. The server says where the turn ended
+// on its input audio clock (speech_stopped's audio_end_ms), which includes the silence it waited to know
+// the turn was over; the speech ended that silence earlier, and the page knows when it captured that audio.
+// Over WebRTC the server's clock starts with the call's data channel, so this is later than the words
+// were said by the time the track's audio takes to reach the server (some 50-100 ms).
+function speechEnded(c, audioEndMs) {
+  const now = performance.now();
+  const at = typeof audioEndMs === "number" ? c.heard.at(audioEndMs - c.silenceMs) : null;
+  return at === null ? now : Math.min(at, now);
+}
+
+// The silence after the last word that ends a turn: server_vad's silence_duration_ms (OpenAI's 500 ms
+// when not said). semantic_vad's depends on the words; the page never asks for it.
+function turnSilenceMs(session) {
+  const input = (session && session.audio && session.audio.input) || {};
+  const td = input.turn_detection;
+  if (!td || td.type !== "server_vad") return 0;
+  return typeof td.silence_duration_ms === "number" ? td.silence_duration_ms : 500;
 }
 
 // WebSocket: the player worklet's reports.
@@ -828,8 +888,10 @@ function onEvent(c, ev) {
   switch (ev.type) {
     case "session.created":
       s2s.sessionId = ev.session && ev.session.id;
+      c.silenceMs = turnSilenceMs(ev.session);
       break;
     case "session.updated":
+      c.silenceMs = turnSilenceMs(ev.session);
       if (s2s.state === "connecting") {
         setState("ready");
         setActivity("listening");
@@ -843,7 +905,7 @@ function onEvent(c, ev) {
       if (!c.transport.serverPlays) interrupt(c);
       break;
     case "input_audio_buffer.speech_stopped":
-      c.turnEndAt = performance.now();
+      c.turnEndAt = speechEnded(c, ev.audio_end_ms);
       setActivity("thinking");
       break;
     case "input_audio_buffer.committed":

@@ -1,0 +1,209 @@
+"""What the server uses of websockets, aiortc and aioice beyond their public API, and a check for each.
+
+None of the three offers a public way to do these things (their newest
+releases, websockets 17.4, aiortc 1.16.0 and aioice 0.13.0, were read), so
+the server reaches into them. Each reach is listed here with the versions
+whose source it was read in; its user checks it where it is first used and
+says, naming the installed version, when it is gone; and
+``tests/test_third_party_internals.py`` pins each on the installed versions.
+
+websockets (``pyproject.toml``: >=17.0,<18; read in 17.0 and 17.4), used by
+:mod:`~s2s_rt.server.direct`:
+
+- ``Connection.process_event(event)``, a private method that
+  ``data_received`` calls once per parsed frame: overridden to offer each
+  complete text frame to the direct route first.
+- ``recv_messages``, the ``Assembler`` that ``connection_made`` makes: its
+  ``frames.queue`` (a deque of the frames ``recv()`` has not taken yet: a
+  frame overtakes none of them), ``paused`` (True while that queue is above
+  its high-water mark) and ``resume`` (what it calls once the queue drains,
+  ``transport.resume_reading``; replaced so that the bytes held back are
+  parsed first).
+
+aiortc (``pyproject.toml``: >=1.14; read in 1.14.0 and 1.16.0), used by
+:mod:`~s2s_rt.server.webrtc`:
+
+- ``RTCRtpReceiver.__jitter_buffer`` (name-mangled), made in ``__init__``
+  with a 4-packet prefetch and read by ``_handle_rtp_packet``: replaced
+  with a 1-packet one (:func:`~s2s_rt.server.webrtc.hold_less`).
+- ``RTCSctpTransport._remote_max_message_size`` (1.16.0; 1.14.0 has none):
+  an event too large is refused by name before aiortc's ``ValueError``,
+  which is caught as well
+  (:func:`~s2s_rt.server.webrtc.max_message_size`).
+
+aioice (aiortc's dependency: >=0.12,<1 for aiortc 1.16.0, >=0.10.1 for
+1.14.0; read in 0.10.1, 0.12.0 and 0.13.0), used by
+:mod:`~s2s_rt.server.webrtc`:
+
+- the module constants ``aioice.ice.CONSENT_INTERVAL`` and
+  ``CONSENT_FAILURES``, read by ``Connection.query_consent`` each time it
+  waits and counts: set process-wide
+  (:func:`~s2s_rt.server.webrtc.check_consent_often`).
+- ``Connection.get_component_candidates`` binds each host candidate with
+  ``asyncio.get_running_loop().create_datagram_endpoint(..., local_addr=(address, 0))``:
+  the loop's method is wrapped to bind within ``media_ports``
+  (:func:`~s2s_rt.server.webrtc.bind_media_in`). aioice's pull requests #63
+  and #112 would add a port range; neither is released.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import functools
+import importlib.metadata
+import logging
+from typing import Any
+
+import aioice.ice
+from aiortc import RTCRtpReceiver
+from aiortc.jitterbuffer import JitterBuffer
+from websockets.asyncio.connection import Connection
+from websockets.asyncio.messages import Assembler
+
+log = logging.getLogger(__name__)
+
+#: The receiver's jitter buffer, as ``RTCRtpReceiver`` names its private attribute.
+JITTER_BUFFER = "_RTCRtpReceiver__jitter_buffer"
+#: The versions whose source was read, by package (what a failed check's message names).
+CHECKED = {
+    "websockets": "17.0 and 17.4",
+    "aiortc": "1.14.0 and 1.16.0",
+    "aioice": "0.10.1, 0.12.0 and 0.13.0",
+}
+
+
+def version(package: str) -> str:
+    """The installed version of ``package``."""
+    return importlib.metadata.version(package)
+
+
+def gone(package: str, what: str) -> str:
+    """A message saying that the installed ``package`` lacks ``what``."""
+    return f"{package} {version(package)}: {what} (this server's use of it was checked with {CHECKED[package]})"
+
+
+def names(function: object, name: str) -> bool:
+    """Whether ``function``'s own code names ``name`` (a global or attribute it reads, a method it calls)."""
+    code = getattr(function, "__code__", None)
+    return code is not None and name in code.co_names
+
+
+def websockets_missing() -> list[str]:
+    """What :mod:`~s2s_rt.server.direct` needs of websockets and the installed one lacks; run in an event loop."""
+    missing = []
+    if not names(getattr(Connection, "data_received", None), "process_event"):
+        missing.append("Connection.data_received does not call process_event")
+    if not names(getattr(Connection, "connection_made", None), "recv_messages"):
+        missing.append("Connection.connection_made does not make recv_messages")
+    assembler: Any = None
+    try:
+        assembler = Assembler(pause=lambda: None, resume=lambda: None)
+    except TypeError as exc:
+        missing.append(f"Assembler(pause=..., resume=...) fails ({exc})")
+    if not isinstance(getattr(getattr(assembler, "frames", None), "queue", None), collections.deque):
+        missing.append("Assembler.frames.queue is not a deque")
+    if not isinstance(getattr(assembler, "paused", None), bool):
+        missing.append("Assembler.paused is not a bool")
+    if not names(getattr(Assembler, "maybe_resume", None), "resume"):
+        missing.append("Assembler.maybe_resume does not call resume")
+    return missing
+
+
+def require_websockets() -> None:
+    """Raise unless the installed websockets has what :mod:`~s2s_rt.server.direct` needs; run in an event loop.
+
+    Raises:
+        RuntimeError: naming the installed version and what it lacks (without this check such a version
+            fails later, frame by frame, or silently stops pacing a flood).
+    """
+    missing = websockets_missing()
+    if missing:
+        raise RuntimeError(gone("websockets", "; ".join(missing)) + ": install one that pyproject.toml allows")
+
+
+def consent_missing() -> str | None:
+    """What :func:`~s2s_rt.server.webrtc.check_consent_often` needs of aioice and it lacks; None: nothing."""
+    for name in ("CONSENT_INTERVAL", "CONSENT_FAILURES"):
+        if not isinstance(getattr(aioice.ice, name, None), (int, float)):
+            return f"aioice.ice.{name} is not a number"
+        if not names(getattr(aioice.ice.Connection, "query_consent", None), name):
+            return f"aioice.ice.Connection.query_consent does not read {name}"
+    return None
+
+
+def consent_adjustable() -> bool:
+    """Whether aioice's consent timing can be set; when not, an error in the log says why (at the server's start)."""
+    missing = consent_missing()
+    if missing:
+        log.error("%s; a vanished peer is noticed only as late as aioice's own timing allows", gone("aioice", missing))
+    return missing is None
+
+
+def jitter_buffer_missing(receiver: Any) -> str | None:
+    """Why ``receiver``'s jitter buffer cannot be replaced on the installed aiortc; None: it can."""
+    if not names(getattr(RTCRtpReceiver, "_handle_rtp_packet", None), JITTER_BUFFER):
+        return f"RTCRtpReceiver._handle_rtp_packet does not read {JITTER_BUFFER}"
+    if not isinstance(getattr(receiver, JITTER_BUFFER, None), JitterBuffer):
+        return f"the receiver's {JITTER_BUFFER} is not a JitterBuffer"
+    return None
+
+
+def jitter_buffer_replaceable(receiver: Any) -> bool:
+    """Whether ``receiver``'s jitter buffer can be replaced; when not, an error in the log says why, once."""
+    missing = jitter_buffer_missing(receiver)
+    if missing:
+        _buffer_kept(missing)
+    return missing is None
+
+
+@functools.cache
+def _buffer_kept(why: str) -> None:
+    log.error("%s; calls keep its 4-packet jitter buffer (each turn's end heard ~60 ms later)", gone("aiortc", why))
+
+
+def binds_missing() -> str | None:
+    """Why wrapping the loop's ``create_datagram_endpoint`` would not place aioice's host sockets; None: it would."""
+    gather = getattr(aioice.ice.Connection, "get_component_candidates", None)
+    if not (names(gather, "get_running_loop") and names(gather, "create_datagram_endpoint")):
+        return "Connection.get_component_candidates does not bind with the running loop's create_datagram_endpoint"
+    return None
+
+
+def require_binds() -> None:
+    """Raise unless wrapping the loop's ``create_datagram_endpoint`` places aioice's host sockets.
+
+    Raises:
+        RuntimeError: naming the installed aioice (every call then fails, rather than binding ports a
+            firewall drops).
+    """
+    missing = binds_missing()
+    if missing:
+        raise RuntimeError(gone("aioice", f"{missing}, so media_ports cannot be kept"))
+
+
+def require_ports_in_range(sdp: str) -> None:
+    """Raise (and log an error) if a host candidate of ``sdp``, an answer, lies outside the loop's media range.
+
+    Raises:
+        RuntimeError: naming the installed aioice and the ports.
+    """
+    outside = host_ports_outside(sdp)
+    if outside:
+        why = gone("aioice", f"a call's media bound outside media_ports, on {outside}")
+        log.error("%s", why)
+        raise RuntimeError(why)
+
+
+def host_ports_outside(sdp: str) -> list[int]:
+    """The ports of ``sdp``'s host candidates outside the range the running loop binds in; [] when none is set."""
+    ports = getattr(asyncio.get_running_loop().create_datagram_endpoint, "media_ports", None)
+    if ports is None:
+        return []
+    outside = set()
+    for line in sdp.splitlines():
+        # a=candidate:FOUNDATION COMPONENT TRANSPORT PRIORITY ADDRESS PORT typ TYPE ...
+        fields = line.split()
+        if line.startswith("a=candidate:") and fields[6:8] == ["typ", "host"] and int(fields[5]) not in ports:
+            outside.add(int(fields[5]))
+    return sorted(outside)
