@@ -11,7 +11,7 @@ import sys
 from collections.abc import Coroutine
 from typing import Any, NoReturn
 
-from s2s_rt.config import ConfigError, load_config
+from s2s_rt.config import ConfigError, load_config, pairs
 from s2s_rt.logs import setup_logging
 from s2s_rt.server import Server
 
@@ -36,6 +36,13 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--llm-model", dest="llm_model", help="the model to ask --llm-url for (default: the first listed)")
     p.add_argument("--stt-model", dest="stt_model", help="a CTranslate2 Whisper directory")
     p.add_argument("--voice", dest="voices", action="append", help="an extra Piper voice .onnx; repeatable")
+    p.add_argument(
+        "--voice-name",
+        dest="voice_names",
+        action="append",
+        help="NAME=VOICE: a voice name clients may ask for (OpenAI's ash, verse... or your own) spoken by an"
+        " installed voice; repeatable",
+    )
     p.add_argument(
         "--language",
         dest="languages",
@@ -151,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config", "workers")}
         try:
+            if args.voice_names:
+                overrides["voice_names"] = pairs(args.voice_names)
             config = load_config(args.config, overrides=overrides)
         except ConfigError as exc:
             print(f"s2s-rt: {exc}", file=sys.stderr)

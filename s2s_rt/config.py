@@ -123,6 +123,10 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stt_model: str | None = None
     #: Extra Piper voices (``.onnx`` files with their ``.onnx.json`` beside them).
     voices: list[str] = []
+    #: Voice names clients may ask for, each mapped to an installed voice (the name of its ``.onnx`` file without
+    #: the suffix): OpenAI's (``ash = "en_US-ryan-medium"``) or the operator's own. OpenAI's names not listed
+    #: here speak with the default voice; other unknown names are an error.
+    voice_names: dict[str, str] = {}
     #: Languages the server hears and answers in (ISO 639-1 codes such as ``en``, ``de``): speech in a
     #: session without a transcription language is transcribed as the likeliest of these. Empty: the
     #: languages of the voices (the server can speak no other).
@@ -284,6 +288,21 @@ def port_range(text: str) -> range:
 ENV_PREFIX = "S2S_RT_"
 
 
+def pairs(items: list[str]) -> dict[str, str]:
+    """``NAME=VALUE`` strings (from a flag given again or the environment) as a table.
+
+    Raises:
+        ConfigError: an item without ``=``.
+    """
+    table = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip() or not value.strip():
+            raise ConfigError(f"expected NAME=VALUE, not {item!r}")
+        table[name.strip()] = value.strip()
+    return table
+
+
 def load_config(
     path: str | Path | None = None,
     *,
@@ -313,9 +332,10 @@ def load_config(
         if key.startswith(ENV_PREFIX):
             name = key[len(ENV_PREFIX) :].lower()
             if name in fields:
-                # Lists come from the environment comma-separated.
-                is_list = str(Config.__annotations__.get(name, "")).startswith("list")
-                merged[name] = [v.strip() for v in value.split(",") if v.strip()] if is_list else value
+                # Lists come from the environment comma-separated, tables as NAME=VALUE pairs.
+                kind = str(Config.__annotations__.get(name, ""))
+                items = [v.strip() for v in value.split(",") if v.strip()]
+                merged[name] = items if kind.startswith("list") else pairs(items) if kind.startswith("dict") else value
     for key, value in (overrides or {}).items():
         if value is not None:
             merged[key] = value

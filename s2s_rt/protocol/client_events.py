@@ -47,9 +47,18 @@ class AudioInputIn(Struct, kw_only=True):
     noise_reduction: Any = UNSET
 
 
+class VoiceIdIn(Struct, kw_only=True):
+    """A custom voice object (``{"id": ...}``), as the newest types allow wherever a voice name goes."""
+
+    id: str
+
+
+Voice = str | VoiceIdIn
+
+
 class AudioOutputIn(Struct, kw_only=True):
     format: AudioFormatIn | str | UnsetType | None = UNSET
-    voice: str | UnsetType | None = UNSET
+    voice: Voice | UnsetType | None = UNSET
     speed: float | UnsetType | None = UNSET
 
 
@@ -108,7 +117,7 @@ class ItemIn(Struct, kw_only=True):
 
 class ResponseAudioOutputIn(Struct, kw_only=True):
     format: AudioFormatIn | str | UnsetType | None = UNSET
-    voice: str | UnsetType | None = UNSET
+    voice: Voice | UnsetType | None = UNSET
 
 
 class ResponseAudioIn(Struct, kw_only=True):

@@ -8,7 +8,7 @@ in the client's dialect (beta flat fields or GA nested ``audio``).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -25,7 +25,8 @@ T = TypeVar("T")
 MAX_OUTPUT_TOKENS_CAP = 4096
 DEFAULT_MAX_OUTPUT_TOKENS = 1024
 
-#: Voice names of the hosted service; accepted and spoken with the default voice.
+#: Voice names of the hosted service; accepted, and spoken by the voice the operator maps each to (default: the
+#: default voice).
 OPENAI_VOICES = frozenset({"alloy", "ash", "ballad", "coral", "echo", "sage", "shimmer", "verse", "marin", "cedar"})
 
 #: Speaking rates the Realtime API allows (``audio.output.speed``).
@@ -80,27 +81,61 @@ class SessionConfig:
     tool_choice: Any = "auto"
 
 
-def check_voice(voices: list[str], voice: str, event_id: str | None, param: str) -> str:
-    """The voice to speak with for a requested name.
+@dataclass(frozen=True, slots=True)
+class Voices:
+    """The voices a session may ask for: the installed ones and the operator's names for them.
 
-    Raises:
-        ProtocolError: the name is neither ours nor one of OpenAI's.
+    A request names an installed voice, a name the operator mapped to one
+    (``voice_names``: ``ash`` -> ``en_US-ryan-medium``), or, in the newest
+    types, a custom voice object ``{"id": ...}`` whose id is either. OpenAI's
+    names the operator did not map are spoken by the default voice, so clients
+    written for the hosted service work unchanged; any other name is an error.
     """
-    if voice in voices:
-        return voice
-    # OpenAI voice names (alloy, verse…) map to our default voice, so
-    # clients written for the hosted service work unchanged.
-    if voice in OPENAI_VOICES:
-        return voices[0]
-    raise ProtocolError(
-        "unknown_voice",
-        f"Unknown voice {voice!r}; available: {', '.join(voices)}",
-        param=param,
-        event_id=event_id,
-    )
+
+    #: The installed voices; the first speaks when none is asked for.
+    installed: tuple[str, ...] = ("default",)
+    #: The operator's names: requested name -> installed voice.
+    names: Mapping[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, installed: Iterable[str], names: Mapping[str, str] | None = None) -> Voices:
+        """The voices for ``installed`` and the operator's ``names``.
+
+        Raises:
+            ValueError: a name maps to a voice that is not installed.
+        """
+        voices = tuple(installed) or ("default",)
+        mapped = dict(names or {})
+        for name, target in mapped.items():
+            if target not in voices:
+                installed_list = ", ".join(voices)
+                raise ValueError(f"voice_names: {name!r} maps to {target!r}, which is not installed ({installed_list})")
+        return cls(voices, mapped)
+
+    @property
+    def default(self) -> str:
+        return self.installed[0]
+
+    def pick(self, voice: str | ce.VoiceIdIn, event_id: str | None, param: str) -> str:
+        """The installed voice that speaks for a request.
+
+        Raises:
+            ProtocolError: a name or id that is neither installed, mapped, nor one of OpenAI's.
+        """
+        custom = isinstance(voice, ce.VoiceIdIn)
+        name = voice.id if isinstance(voice, ce.VoiceIdIn) else voice
+        if name in self.installed:
+            return name
+        if name in self.names:
+            return self.names[name]
+        if name in OPENAI_VOICES and not custom:
+            return self.default
+        offered = ", ".join([*self.installed, *self.names])
+        what = f"Unknown custom voice id {name!r}" if custom else f"Unknown voice {name!r}"
+        raise ProtocolError("unknown_voice", f"{what}; available: {offered}", param=param, event_id=event_id)
 
 
-def apply_update(cfg: SessionConfig, ev: ce.SessionUpdate, voices: list[str]) -> None:
+def apply_update(cfg: SessionConfig, ev: ce.SessionUpdate, voices: Voices) -> None:
     """Apply a ``session.update`` in either shape to ``cfg``, all or nothing.
 
     Raises:
@@ -132,9 +167,10 @@ def apply_update(cfg: SessionConfig, ev: ce.SessionUpdate, voices: list[str]) ->
     a_in = audio.input if audio is not None and isinstance(audio.input, ce.AudioInputIn) else None
     a_out = audio.output if audio is not None and isinstance(audio.output, ce.AudioOutputIn) else None
     # Voice: beta flat field or GA audio.output.voice.
-    voice = a_out.voice if a_out is not None and isinstance(a_out.voice, str) else patch.voice
-    if isinstance(voice, str):
-        new["voice"] = check_voice(voices, voice, eid, "session.voice")
+    voice = a_out.voice if a_out is not None and a_out.voice not in (UNSET, None) else patch.voice
+    if isinstance(voice, (str, ce.VoiceIdIn)):
+        param = "session.voice" if voice is patch.voice else "session.audio.output.voice"
+        new["voice"] = voices.pick(voice, eid, param)
     speed = a_out.speed if a_out is not None and isinstance(a_out.speed, (int, float)) else patch.speed
     if isinstance(speed, (int, float)) and not isinstance(speed, bool):
         if not MIN_SPEED <= speed <= MAX_SPEED:

@@ -15,12 +15,12 @@ from s2s_rt.protocol.config import (
     DEFAULT_MAX_OUTPUT_TOKENS,
     MAX_OUTPUT_TOKENS_CAP,
     SessionConfig,
+    Voices,
     check_max_tokens,
     check_modalities,
     check_temperature,
     check_tool_choice,
     check_tools,
-    check_voice,
     checked,
     parse_format,
 )
@@ -54,7 +54,7 @@ class ResponseParams:
 
 def settle(
     cfg: SessionConfig,
-    voices: list[str],
+    voices: Voices,
     p: ce.ResponseIn,
     event_id: str | None,
     input_item: Callable[[ce.ItemIn, str | None], se.Item],
@@ -62,7 +62,7 @@ def settle(
     """What a ``response.create`` (or a turn, with nothing given) asks for, settled against the session's config.
 
     Args:
-        voices: the voices the TTS offers.
+        voices: the voices a session may ask for.
         input_item: makes an item of ``response.input`` (a new one, or one the conversation holds).
 
     Raises:
@@ -82,7 +82,7 @@ def settle(
             modalities = checked(check_modalities, mods, fail, name)
     voice = cfg.voice
     if p.voice is not UNSET:
-        voice = check_voice(voices, str(p.voice), event_id, "response.voice")
+        voice = voices.pick(str(p.voice), event_id, "response.voice")
     fmt = cfg.output_format
     try:
         if p.output_audio_format is not UNSET:
@@ -90,8 +90,8 @@ def settle(
         if isinstance(p.audio, ce.ResponseAudioIn) and isinstance(p.audio.output, ce.ResponseAudioOutputIn):
             if p.audio.output.format is not UNSET and p.audio.output.format is not None:
                 fmt = parse_format(p.audio.output.format)
-            if isinstance(p.audio.output.voice, str):
-                voice = check_voice(voices, p.audio.output.voice, event_id, "response.audio.output.voice")
+            if isinstance(p.audio.output.voice, (str, ce.VoiceIdIn)):
+                voice = voices.pick(p.audio.output.voice, event_id, "response.audio.output.voice")
     except AudioFormatError as exc:
         raise ProtocolError(
             "unsupported_audio_format", str(exc), param="response.audio.output.format", event_id=event_id

@@ -23,6 +23,7 @@ from s2s_rt.protocol import server_events as se
 from s2s_rt.protocol.config import (
     SessionConfig,
     Transcription,
+    Voices,
     apply_update,
     render,
 )
@@ -40,22 +41,22 @@ class Session:
 
     Args:
         dialect: GA or beta naming for the events this session emits.
-        voices: the voices the TTS offers; the first is the default.
+        voices: the voices a session may ask for (or the installed ones, the first the default).
     """
 
     def __init__(
         self,
         dialect: se.Dialect,
-        voices: Iterable[str] = ("default",),
+        voices: Voices | Iterable[str] = ("default",),
         *,
         max_conversation_bytes: int = 16 << 20,
         transcription_only: bool = False,
         model: str | None = None,
     ) -> None:
         self.dialect = dialect
-        self.voices = list(voices) or ["default"]
+        self.voices = voices if isinstance(voices, Voices) else Voices.of(voices)
         self.id = new_id("sess")
-        self.config = SessionConfig(voice=self.voices[0])
+        self.config = SessionConfig(voice=self.voices.default)
         if model:
             self.config.model = model  # echoed as the client asked (beta: when its types know the name)
         if transcription_only:

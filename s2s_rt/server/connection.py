@@ -14,10 +14,11 @@ from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed, ConnectionClosedOK
 from websockets.http11 import Request
 
-from s2s_rt.config import Config, mib
+from s2s_rt.config import Config, ConfigError, mib
 from s2s_rt.engines.base import Stack
 from s2s_rt.metrics import Metrics
 from s2s_rt.pipeline.ports import Channel, close_quickly
+from s2s_rt.protocol.config import Voices
 from s2s_rt.protocol.errors import ProtocolError, ServerFault
 from s2s_rt.protocol.server_events import BETA, GA, Dialect, encode_event
 from s2s_rt.protocol.session import Session
@@ -47,6 +48,9 @@ class Connections:
         server: whether it takes sessions.
         pool: the slots.
         stack: the engines (their voices, for new sessions).
+
+    Raises:
+        ConfigError: ``voice_names`` maps a name to a voice that is not installed.
         secrets: the client secrets minted (a session opened with one starts with its configuration).
     """
 
@@ -59,6 +63,10 @@ class Connections:
         self.server = server
         self.pool = pool
         self.stack = stack
+        try:
+            self.voices = Voices.of(stack.tts.voices, config.voice_names)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         self.per_ip: dict[str, int] = {}
         self.trusted = [ipaddress.ip_network(p, strict=False) for p in config.trusted_proxies]
 
@@ -132,7 +140,7 @@ class Connections:
     def new_session(self, dialect: Dialect, *, transcription: bool, model: str | None) -> Session:
         return Session(
             dialect,
-            self.stack.tts.voices,
+            self.voices,
             max_conversation_bytes=mib(self.config.max_conversation_mib),
             transcription_only=transcription,
             model=model,
