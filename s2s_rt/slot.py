@@ -344,7 +344,7 @@ class Slot:
         message = f"This session failed inside the server ({where}: {type(exc).__name__}); closing it"
         events: list[ServerEvent] = []
         if session.response is not None:
-            events += session.fail_response(session.response, "session_failed", message)
+            events += session.fail_response(session.response, ServerFault("session_failed", message))
         events.append(session.error(ServerFault("session_failed", message)))
         data = [encode_event(e) for e in events]
         ctx.end()

@@ -29,6 +29,7 @@ from s2s_rt.listening.clock import ListeningClock
 from s2s_rt.metrics import Metrics
 from s2s_rt.pipeline import speculation
 from s2s_rt.protocol import response
+from s2s_rt.protocol.errors import ServerFault
 from s2s_rt.protocol.server_events import GA
 from s2s_rt.protocol.session import Session
 
@@ -104,7 +105,7 @@ def _response_in(phase: response.Phase) -> response.Response:
 @pytest.mark.parametrize("end", ["cancel", "fail"])
 def test_a_response_ends_through_its_table_from_every_phase(phase: response.Phase, end: str) -> None:
     r = _response_in(phase)
-    events = r.cancel("client_cancelled") if end == "cancel" else r.fail("x", "y")
+    events = r.cancel("client_cancelled") if end == "cancel" else r.fail(ServerFault("x", "y"))
     if phase is response.Phase.DONE:
         assert events == []  # nothing after done
     else:

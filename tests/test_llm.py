@@ -94,6 +94,21 @@ def test_answer_ends_at_the_end_of_turn_without_markup(default_llm: CT2ChatLLM) 
     assert "<|im_end|>" not in text and "<|endoftext|>" not in text
 
 
+def test_what_each_message_costs_adds_up_to_the_prompt_it_makes(default_llm: CT2ChatLLM) -> None:
+    """``truncation`` counts a conversation message by message: the sum is the prompt the model reads."""
+    conversation = [
+        ChatMessage("system", "You are a helpful voice assistant."),
+        ChatMessage("user", "What is the capital of France?"),
+        ChatMessage("assistant", "The capital of France is Paris."),
+        ChatMessage("user", "And how many people live there, roughly?"),
+    ]
+    counted = sum(default_llm.message_tokens(m) for m in conversation)
+    prompt = default_llm.count_tokens(conversation)
+    assert counted > 40
+    assert prompt - 8 <= counted <= prompt  # all but the answer's opening
+    assert default_llm.context_tokens >= 2048
+
+
 # --- streaming, stopping, usage --------------------------------------------------
 
 
@@ -171,7 +186,7 @@ def test_concurrent_streams_share_one_model(default_llm: CT2ChatLLM) -> None:
 
 
 def test_a_long_conversation_is_cut_to_fit_the_context(tiny_llm: CT2ChatLLM, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tiny_llm, "max_context_tokens", 256)
+    monkeypatch.setattr(tiny_llm, "context_tokens", 256)
     llm = tiny_llm
     history = [ChatMessage("user" if i % 2 == 0 else "assistant", "blah " * 40) for i in range(20)]
     usage = LLMUsage()

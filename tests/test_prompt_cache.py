@@ -70,7 +70,7 @@ def test_answers_from_the_kept_state_are_the_answers_without_it(
     questions = ("What is the capital of France?", "How many legs does a spider have?")
     prompts = [
         plain._chat.encode(with_answer_context([ChatMessage("system", DEFAULT_INSTRUCTIONS), q])).fit(
-            plain.max_context_tokens, 30
+            plain.context_tokens, 30
         )[0]
         for q in (ChatMessage("user", question) for question in questions)
     ]

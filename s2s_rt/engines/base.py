@@ -265,6 +265,18 @@ class JudgesTurnEnd(Protocol):
 
 
 @runtime_checkable
+class CountsTokens(Protocol):
+    """An LLM that knows its context's size and what a message costs in it (the server keeps conversations within)."""
+
+    #: Tokens of prompt and answer together.
+    context_tokens: int
+
+    def message_tokens(self, message: ChatMessage) -> int:
+        """What ``message`` costs in the prompt, its chat markup included (close; tool results may differ a little)."""
+        ...
+
+
+@runtime_checkable
 class KeepsPrefixes(Protocol):
     """An LLM that keeps model states of conversations it read (its figures go to ``/metrics``)."""
 

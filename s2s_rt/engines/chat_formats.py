@@ -187,6 +187,10 @@ class ChatFormat(abc.ABC):
     def turn(self, role: str, content: str) -> list[int]:
         """One message as ids."""
 
+    def message_tokens(self, message: ChatMessage) -> int:
+        """What one message costs in a prompt (a result or a call, shown otherwise, about the same)."""
+        return len(self.turn(message.role if message.role in ("system", "assistant") else "user", message.content))
+
     @abc.abstractmethod
     def opening(self, then: str) -> list[int]:
         """The start of the answer, followed by the text ``then``."""

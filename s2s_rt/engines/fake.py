@@ -104,11 +104,17 @@ class EchoLLM:
         token_delay_ms: time per token (default pace of the fake model).
         stream_tool_calls: stream a tool call token by token (:func:`tool_call_tokens`), as a real
             model does, instead of in one piece.
+        context_tokens: its context (a word a token), for tests of ``truncation``.
     """
 
-    def __init__(self, token_delay_ms: int = 0, *, stream_tool_calls: bool = False) -> None:
+    def __init__(self, token_delay_ms: int = 0, *, stream_tool_calls: bool = False, context_tokens: int = 4096) -> None:
         self.token_delay_ms = token_delay_ms
         self.stream_tool_calls = stream_tool_calls
+        self.context_tokens = context_tokens
+
+    def message_tokens(self, message: ChatMessage) -> int:
+        """A word a token, and four for the turn's markup."""
+        return len(message.content.split()) + 4
 
     def turn_end_probability(self, messages: Sequence[ChatMessage]) -> float:
         """The fake model finds every utterance finished (``semantic_vad`` ends turns after its shortest wait)."""

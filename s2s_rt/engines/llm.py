@@ -131,7 +131,8 @@ class CT2ChatLLM:
         self._vocabulary = read_vocabulary(model_dir)
         self._end_ids = self._stop_ids(tokenizer_config)
         model_max = int(tokenizer_config.get("model_max_length") or DEFAULT_CONTEXT_TOKENS)
-        self.max_context_tokens = max_context_tokens or min(model_max, DEFAULT_CONTEXT_TOKENS)
+        self.context_tokens = max_context_tokens or min(model_max, DEFAULT_CONTEXT_TOKENS)
+        self.message_tokens = self._chat.message_tokens  # base.CountsTokens
         self._repetition_penalty = repetition_penalty
         self.temperature_scale = temperature_scale
         self._static = StaticPrefixes(
@@ -192,10 +193,7 @@ class CT2ChatLLM:
         _LOADED.add(self)
 
     def close(self) -> None:
-        """Release the model (streams already running finish first).
-
-        Called for every engine still loaded when the interpreter exits.
-        """
+        """Release the model (streams already running finish first); called for every one loaded at exit."""
         self._generator = None
 
     def describe(self) -> str:
@@ -204,7 +202,7 @@ class CT2ChatLLM:
         kept = f"; {self.kept_state.describe()}" if self.kept_state is not None else ""
         return (
             f"LLM {self.model_dir} (CTranslate2 {self.compute_type} on {self.device}, "
-            f"{inter} concurrent + 1 for long readings x {intra} threads, context {self.max_context_tokens}){kept}"
+            f"{inter} concurrent + 1 for long readings x {intra} threads, context {self.context_tokens}){kept}"
         )
 
     def _next_logits(self, kept: Sequence[int], rest: Sequence[int]) -> np.ndarray:
@@ -267,7 +265,7 @@ class CT2ChatLLM:
             call = self._choose_function(request, should_stop)
             yield ""  # nothing said, the engine alive: a per-piece deadline gives the prompt's reading its own
         chat = self._chat.encode(request.messages, tools, require_tool, call)
-        prompt, max_tokens = chat.fit(self.max_context_tokens, request.max_tokens)
+        prompt, max_tokens = chat.fit(self.context_tokens, request.max_tokens)
         usage.input_tokens = len(prompt)
         usage.output_tokens = 0
         if max_tokens <= 0 or should_stop():
@@ -391,7 +389,7 @@ class CT2ChatLLM:
         prefix = read[: len(read) - self._held_short_by]
         if len(prefix) < self.min_kept_tokens:
             return False  # too short to be used (KEPT_PIECE_SIZES)
-        if len(read) + 64 > self.max_context_tokens:
+        if len(read) + 64 > self.context_tokens:
             return False  # the next answer will be cut to fit, and start differently
         with self._lock:
             if self.prefixes.holds(prefix):
@@ -441,7 +439,7 @@ class CT2ChatLLM:
             return 1.0
         tokens = [t for turn in self._chat.encode([*context, ChatMessage("user", words)]).turns[:-1] for t in turn]
         end = max(i for i, token in enumerate(tokens) if token == self._chat.end_id)
-        tokens = tokens[:end][-self.max_context_tokens :]  # up to the words, without the turn's end
+        tokens = tokens[:end][-self.context_tokens :]  # up to the words, without the turn's end
         with self.lanes.take(len(tokens) >= self.long_reading_tokens, never):
             prompt = [[self._vocabulary[i] for i in tokens]]
             result = generator.generate_batch(

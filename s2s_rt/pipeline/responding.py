@@ -27,7 +27,9 @@ from s2s_rt.pipeline.clauses import ClauseSplitter
 from s2s_rt.pipeline.context import SessionContext
 from s2s_rt.pipeline.stage import Stage, StageContext
 from s2s_rt.pipeline.work import CallOut, ResponseEnd, ResponseRequest, SessionEnd, Speak, TurnTiming
+from s2s_rt.protocol.errors import ServerFault
 from s2s_rt.protocol.prompt import repeats_answered
+from s2s_rt.protocol.truncation import ContextFull
 from s2s_rt.toolcalls import Call as CallPart
 from s2s_rt.toolcalls import Text as TextPart
 from s2s_rt.toolcalls import ToolCallError, ToolCallFilter, UnknownFunction, frame, parse_call
@@ -83,7 +85,15 @@ class Responder(Stage[SessionContext, ResponseRequest]):
         r = req.response
         scope = req.scope
         # As the answer begun in the turn's closing silence asked it (see Speculator._anticipate): then it is this one.
-        asked = answer_request(session.prompt(r), r.params, ctx.language)
+        try:
+            messages = session.prompt(r)
+        except ContextFull as exc:  # ``truncation: disabled``
+            if req.anticipation is not None:
+                req.anticipation.drop("the conversation does not fit")
+            stage.metrics.turns.inc(status="failed")
+            await stage.outbox.emit(session.fail_response(r, exc), session.scope)
+            return
+        asked = answer_request(messages, r.params, ctx.language)
         tools = list(asked.tools)
         usage = LLMUsage()
         ahead = req.anticipation
@@ -167,7 +177,7 @@ class Responder(Stage[SessionContext, ResponseRequest]):
                     )
                     stage.metrics.errors.inc(code=code)
                     await stage.outbox.emit(
-                        session.fail_response(r, code, f"The language model failed: {exc}"), session.scope
+                        session.fail_response(r, ServerFault(code, f"The language model failed: {exc}")), session.scope
                     )
                 return
             if scope.stale:

@@ -17,6 +17,7 @@ from s2s_rt.pipeline.anticipation import SpokenAhead
 from s2s_rt.pipeline.context import SessionContext
 from s2s_rt.pipeline.stage import Stage, StageContext
 from s2s_rt.pipeline.work import CallOut, ResponseEnd, SessionEnd, Speak
+from s2s_rt.protocol.errors import ServerFault
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +124,8 @@ class Speaker(Stage[SessionContext, Speak | CallOut | ResponseEnd]):
                 code = "tts_timeout" if isinstance(exc, EngineTimeout) else "tts_failed"
                 stage.metrics.errors.inc(code=code)
                 await stage.outbox.emit(
-                    ctx.session.fail_response(r, code, f"Speech synthesis failed: {exc}"), ctx.session.scope
+                    ctx.session.fail_response(r, ServerFault(code, f"Speech synthesis failed: {exc}")),
+                    ctx.session.scope,
                 )
             return
         if scope.stale:

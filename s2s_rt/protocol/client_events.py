@@ -93,6 +93,8 @@ class SessionIn(Struct, kw_only=True):
     temperature: float | UnsetType | None = UNSET
     tools: list[dict[str, Any]] | UnsetType | None = UNSET
     tool_choice: Any = UNSET
+    #: GA: ``auto``, ``disabled`` or a retention-ratio object (checked by ``truncation.parse_truncation``).
+    truncation: Any = UNSET
 
 
 class ContentIn(Struct, kw_only=True):

@@ -18,6 +18,7 @@ from s2s_rt.audio import AudioFormat, AudioFormatError
 from s2s_rt.protocol import client_events as ce
 from s2s_rt.protocol.errors import ProtocolError
 from s2s_rt.protocol.server_events import Dialect
+from s2s_rt.protocol.truncation import Truncation, parse_truncation
 
 T = TypeVar("T")
 
@@ -79,6 +80,8 @@ class SessionConfig:
     max_output_tokens: int | str = "inf"
     tools: list[dict[str, Any]] = field(default_factory=list)
     tool_choice: Any = "auto"
+    #: What the model stops reading once the conversation outgrows its context (:mod:`s2s_rt.protocol.truncation`).
+    truncation: Truncation = field(default_factory=Truncation)
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,6 +216,8 @@ def apply_update(cfg: SessionConfig, ev: ce.SessionUpdate, voices: Voices) -> No
         new["tool_choice"] = patch.tool_choice
     elif isinstance(patch.tools, list):
         check_tool_choice(cfg.tool_choice, tools, fail)
+    if patch.truncation is not UNSET and patch.truncation is not None:
+        new["truncation"] = parse_truncation(patch.truncation, eid)
     if new.get("kind", cfg.kind) == "transcription" and new.get("transcription", cfg.transcription) is None:
         new["transcription"] = Transcription()  # a transcription session always transcribes
     for key, value in new.items():
@@ -359,6 +364,7 @@ def render(cfg: SessionConfig, dialect: Dialect, session_id: str) -> dict[str, A
             "output": {"format": render_format(cfg.output_format), "voice": cfg.voice, "speed": cfg.speed},
         },
         "max_output_tokens": cfg.max_output_tokens,
+        "truncation": cfg.truncation.render(),
     }
 
 

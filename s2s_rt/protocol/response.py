@@ -26,7 +26,7 @@ from typing import Any
 from s2s_rt.lifecycle import Lifecycle
 from s2s_rt.protocol import server_events as se
 from s2s_rt.protocol.conversation import Conversation, SpokenSegment
-from s2s_rt.protocol.errors import ServerFault
+from s2s_rt.protocol.errors import RealtimeError
 from s2s_rt.protocol.response_params import ResponseParams
 from s2s_rt.protocol.server_events import Dialect, new_id, snapshot
 from s2s_rt.scope import Scope
@@ -209,16 +209,18 @@ class Response:
         """End ``cancelled`` (client or turn detection): its queued work becomes stale."""
         return self._end(Step.CANCEL, "cancelled", {"type": "cancelled", "reason": reason})
 
-    def fail(self, code: str, message: str) -> list[se.ServerEvent]:
+    def fail(self, error: RealtimeError) -> list[se.ServerEvent]:
         """End ``failed``; an ``error`` event tells the client why."""
-        events = self._end(Step.FAIL, "failed", {"type": "failed", "error": {"type": "server_error", "code": code}})
+        details = {"type": "failed", "error": {"type": error.type, "code": error.code}}
+        events = self._end(Step.FAIL, "failed", details)
         if events:
-            err = ServerFault(code, message)
             events.append(
                 self._ev(
                     se.Error,
                     "error",
-                    error=se.ErrorDetail(type=err.type, code=err.code, message=err.message, param=None, event_id=None),
+                    error=se.ErrorDetail(
+                        type=error.type, code=error.code, message=error.message, param=error.param, event_id=None
+                    ),
                 )
             )
         return events

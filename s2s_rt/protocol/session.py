@@ -13,6 +13,7 @@ drive it directly.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Iterable
 from typing import Any
@@ -33,6 +34,7 @@ from s2s_rt.protocol.prompt import build_prompt
 from s2s_rt.protocol.response import Response
 from s2s_rt.protocol.response_params import ResponseParams, settle
 from s2s_rt.protocol.server_events import new_id, snapshot
+from s2s_rt.protocol.truncation import ContextFull, ContextWindow
 from s2s_rt.scope import Scope
 
 
@@ -42,6 +44,7 @@ class Session:
     Args:
         dialect: GA or beta naming for the events this session emits.
         voices: the voices a session may ask for (or the installed ones, the first the default).
+        window: the model's context, where the LLM can say what messages cost in it (``truncation``).
     """
 
     def __init__(
@@ -52,8 +55,11 @@ class Session:
         max_conversation_bytes: int = 16 << 20,
         transcription_only: bool = False,
         model: str | None = None,
+        window: ContextWindow | None = None,
     ) -> None:
         self.dialect = dialect
+        #: What the model reads of the conversation (``truncation``); None: the LLM keeps within its context itself.
+        self.window = window
         self.voices = voices if isinstance(voices, Voices) else Voices.of(voices)
         self.id = new_id("sess")
         self.config = SessionConfig(voice=self.voices.default)
@@ -404,26 +410,36 @@ class Session:
         self.response = None
         return r.cancel(reason)
 
-    def fail_response(self, r: Response, code: str, message: str) -> list[se.ServerEvent]:
-        """End the response as failed, with an ``error`` event for the client."""
+    def fail_response(self, r: Response, error: RealtimeError) -> list[se.ServerEvent]:
+        """End the response as failed, with an ``error`` event for the client (a server fault, or its setting's)."""
         if self.response is r:
             self.response = None
-        return r.fail(code, message)
+        return r.fail(error)
 
     def prompt(self, r: Response) -> list[ChatMessage]:
-        """The chat messages the LLM sees for response ``r``."""
+        """The chat messages the LLM sees for response ``r``; :class:`ContextFull` if they cannot fit (``disabled``)."""
         if r.params.input_items is not None:
             items = r.params.input_items
         else:
             own = {o.id for o in r.outputs}
-            items = [self.conversation.items[i] for i in self.conversation.order if i not in own]
+            said = [self.conversation.items[i] for i in self.conversation.order if i not in own]
+            items = self._in_context(said, r.params)
         return build_prompt(r.params.instructions, items, self.conversation)
 
     def next_prompt(self) -> tuple[list[ChatMessage], ResponseParams]:
         """What the next default response would read before a new turn: the conversation so far, and its settings."""
         params = settle(self.config, self.voices, ce.ResponseIn(), None, self._input_item)
         items = [self.conversation.items[i] for i in self.conversation.order]
+        with contextlib.suppress(ContextFull):  # the response itself will fail
+            items = self._in_context(items, params)
         return build_prompt(params.instructions, items, self.conversation), params
+
+    def _in_context(self, items: list[se.Item], params: ResponseParams) -> list[se.Item]:
+        """The conversation's ``items`` the model reads (``truncation``); raises :class:`ContextFull`."""
+        if self.window is None:
+            return items
+        conversation, setting = self.conversation, self.config.truncation
+        return self.window.read(items, setting, params, lambda item: build_prompt("", [item], conversation))
 
     # --- events the pipeline reports -------------------------------------
 

@@ -15,13 +15,14 @@ from websockets.exceptions import ConnectionClosed, ConnectionClosedOK
 from websockets.http11 import Request
 
 from s2s_rt.config import Config, ConfigError, mib
-from s2s_rt.engines.base import Stack
+from s2s_rt.engines.base import CountsTokens, Stack
 from s2s_rt.metrics import Metrics
 from s2s_rt.pipeline.ports import Channel, close_quickly
 from s2s_rt.protocol.config import Voices
 from s2s_rt.protocol.errors import ProtocolError, ServerFault
 from s2s_rt.protocol.server_events import BETA, GA, Dialect, encode_event
 from s2s_rt.protocol.session import Session
+from s2s_rt.protocol.truncation import ContextWindow
 from s2s_rt.server.direct import DirectConnection
 from s2s_rt.server.handshake import (
     asked_model,
@@ -138,12 +139,14 @@ class Connections:
         return Refusal("session_limit_reached", text, 1013)
 
     def new_session(self, dialect: Dialect, *, transcription: bool, model: str | None) -> Session:
+        llm = self.stack.llm
         return Session(
             dialect,
             self.voices,
             max_conversation_bytes=mib(self.config.max_conversation_mib),
             transcription_only=transcription,
             model=model,
+            window=ContextWindow(llm.context_tokens, llm.message_tokens) if isinstance(llm, CountsTokens) else None,
         )
 
     async def _serve_connection(self, ws: ServerConnection, host: str) -> None:
