@@ -111,6 +111,14 @@ def _comparable(arguments: str) -> Any:
 
 
 @dataclass(frozen=True, slots=True)
+class SharedImage:
+    """An image in the conversation (``input_image``): a PNG or JPEG data URI, checked, and its ``detail``."""
+
+    url: str
+    detail: str = "auto"
+
+
+@dataclass(frozen=True, slots=True)
 class ChatMessage:
     """One message of the conversation a chat model reads.
 
@@ -128,6 +136,16 @@ class ChatMessage:
     call: FunctionCall | None = None
     #: A tool message: the call it is the result of (None: a result whose call is gone).
     answers: FunctionCall | None = None
+    #: A user message: the images shared with it (``input_image``), in order.
+    images: tuple[SharedImage, ...] = ()
+
+    def shown_without_images(self) -> str:
+        """The text, telling a model that cannot see that images were shared (its answer must not pretend)."""
+        if not self.images:
+            return self.content
+        shared = "an image" if len(self.images) == 1 else f"{len(self.images)} images"
+        note = f"(The user shared {shared} here. You cannot see images: never describe one; say you cannot see it.)"
+        return f"{self.content}\n\n{note}" if self.content else note
 
 
 @dataclass(slots=True)

@@ -189,7 +189,8 @@ class ChatFormat(abc.ABC):
 
     def message_tokens(self, message: ChatMessage) -> int:
         """What one message costs in a prompt (a result or a call, shown otherwise, about the same)."""
-        return len(self.turn(message.role if message.role in ("system", "assistant") else "user", message.content))
+        role = message.role if message.role in ("system", "assistant") else "user"
+        return len(self.turn(role, message.shown_without_images()))
 
     @abc.abstractmethod
     def opening(self, then: str) -> list[int]:
@@ -387,7 +388,7 @@ def _conversation_turns(messages: Sequence[ChatMessage]) -> list[tuple[str, str]
                 i += 1
             turns.append(("user", tool_responses(results)))
             continue
-        turns.append((message.role, message.content))
+        turns.append((message.role, message.shown_without_images()))
         if message.role == "user":
             request = len(turns) - 1
     return turns

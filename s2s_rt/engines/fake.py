@@ -122,7 +122,7 @@ class EchoLLM:
 
     def stream(self, request: LLMRequest, *, should_stop: StopCheck, usage: LLMUsage) -> Iterator[str]:
         messages, max_tokens, tools = request.messages, request.max_tokens, request.tools
-        user = next((m.content for m in reversed(messages) if m.role == "user"), "")
+        user = next((m.shown_without_images() for m in reversed(messages) if m.role == "user"), "")
         usage.input_tokens = sum(len(m.content.split()) for m in messages)
         delay_s, block_s, fail = self.token_delay_ms / 1000, 0.0, False
         for kind, arg in _CONTROL.findall(user):

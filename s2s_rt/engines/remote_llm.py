@@ -285,7 +285,7 @@ def chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
         else:
             close_turn()
             if message.role != "assistant":
-                out.append({"role": message.role, "content": message.content})
+                out.append({"role": message.role, "content": _content(message)})
                 continue
             # "" rather than null: some servers (llama-cpp-python) refuse a null content.
             target = turn = {"role": "assistant", "content": ""}
@@ -368,3 +368,13 @@ class _StreamedCalls:
                 value = arguments  # parse_call reports it as invalid JSON, and the model may retry
             out.append(frame(json.dumps({"name": call.name, "arguments": value})))
         return out
+
+
+def _content(message: ChatMessage) -> str | list[dict[str, Any]]:
+    """A message's content as OpenAI's chat API takes it: its text, with its images as ``image_url`` parts."""
+    if not message.images:
+        return message.content
+    parts: list[dict[str, Any]] = [{"type": "text", "text": message.content}] if message.content else []
+    for image in message.images:
+        parts.append({"type": "image_url", "image_url": {"url": image.url, "detail": image.detail}})
+    return parts

@@ -102,6 +102,9 @@ class ContentIn(Struct, kw_only=True):
     text: str | UnsetType | None = UNSET
     audio: bytes | UnsetType | None = UNSET
     transcript: str | UnsetType | None = UNSET
+    #: ``input_image`` (GA): a PNG or JPEG data URI, and how closely to look (``auto``, ``low``, ``high``).
+    image_url: str | UnsetType | None = UNSET
+    detail: str | UnsetType | None = UNSET
 
 
 class ItemIn(Struct, kw_only=True):

@@ -11,13 +11,15 @@ an assistant's audio (for truncation).
 from __future__ import annotations
 
 import base64
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from msgspec import UNSET
+from msgspec import UNSET, UnsetType
 
 from s2s_rt.protocol import client_events as ce
 from s2s_rt.protocol import server_events as se
 from s2s_rt.protocol.errors import ProtocolError
+from s2s_rt.protocol.images import DETAILS, ImageError, check_image
 from s2s_rt.protocol.server_events import Dialect, new_id
 
 
@@ -49,7 +51,12 @@ def heard_text(segments: list[SpokenSegment], audio_end_ms: float) -> str:
 
 #: Content types a client may put in a message of each role, and the type each is kept as.
 _CONTENT_TYPES = {
-    "user": {"input_text": "input_text", "text": "input_text", "input_audio": "input_audio"},
+    "user": {
+        "input_text": "input_text",
+        "text": "input_text",
+        "input_audio": "input_audio",
+        "input_image": "input_image",
+    },
     "system": {"input_text": "input_text", "text": "input_text"},
     "assistant": {
         "output_text": "output_text",
@@ -131,7 +138,7 @@ class Conversation:
         for value in (item.arguments, item.output, item.name, item.call_id):
             n += len(value or "")
         for part in item.content or []:
-            for text in (part.text, part.transcript, part.audio):
+            for text in (part.text, part.transcript, part.audio, part.image_url):
                 if isinstance(text, str):
                     n += len(text)
         return n
@@ -197,6 +204,24 @@ class Conversation:
         self.heard.pop(item_id, None)
         self.truncated.discard(item_id)
 
+    def _image(
+        self, c: ce.ContentIn, fail: Callable[[str, str], ProtocolError], where: str
+    ) -> tuple[str, str | UnsetType]:
+        """An ``input_image`` part's ``image_url`` (checked) and ``detail``.
+
+        Raises:
+            ProtocolError: the beta interface (its types have no images), a bad image, or a bad ``detail``.
+        """
+        if self.dialect.beta:
+            raise fail("input_image content needs the GA interface (the beta one has no images)", f"{where}.type")
+        try:
+            url = check_image(c.image_url)
+        except ImageError as exc:
+            raise fail(str(exc), f"{where}.image_url") from None
+        if c.detail not in (UNSET, None, *DETAILS):
+            raise fail(f"detail must be one of {', '.join(DETAILS)}, not {c.detail!r}", f"{where}.detail")
+        return url, c.detail if isinstance(c.detail, str) else UNSET
+
     def item_from_client(self, src: ce.ItemIn, event_id: str | None) -> se.Item:
         """A conversation item made from a client's ``item``.
 
@@ -226,6 +251,8 @@ class Conversation:
                     if not isinstance(c.text, str):
                         raise fail(f"{c.type!r} content needs 'text'", f"content[{i}].text")
                     part.text = c.text
+                elif ga_type == "input_image":
+                    part.image_url, part.detail = self._image(c, fail, f"content[{i}]")
                 else:
                     part.transcript = c.transcript if isinstance(c.transcript, str) else None
                     if isinstance(c.audio, bytes):

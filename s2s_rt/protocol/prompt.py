@@ -6,7 +6,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from s2s_rt.engines.base import ChatMessage, FunctionCall
+from s2s_rt.engines.base import ChatMessage, FunctionCall, SharedImage
 from s2s_rt.protocol import server_events as se
 from s2s_rt.protocol.conversation import Conversation
 from s2s_rt.toolcalls import frame, is_error_result
@@ -26,8 +26,13 @@ def build_prompt(instructions: str, items: list[se.Item], conversation: Conversa
             continue
         if item.type == "message" and item.role is not None:
             text = " ".join(t for t in _item_words(item, conversation) if t)
-            if text:
-                messages.append(ChatMessage(item.role, text))
+            images = tuple(
+                SharedImage(p.image_url, p.detail if isinstance(p.detail, str) else "auto")
+                for p in item.content or []
+                if p.type == "input_image" and isinstance(p.image_url, str)
+            )
+            if text or images:
+                messages.append(ChatMessage(item.role, text, images=images))
         elif item.type == "function_call":
             messages.append(call_message(_call_of(item)))
         elif item.type == "function_call_output":

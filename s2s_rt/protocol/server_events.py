@@ -24,6 +24,8 @@ class ContentPart(Struct, kw_only=True, omit_defaults=True):
     text: str | UnsetType | None = UNSET
     transcript: str | UnsetType | None = UNSET
     audio: str | UnsetType | None = UNSET
+    image_url: str | UnsetType | None = UNSET
+    detail: str | UnsetType | None = UNSET
 
     @property
     def words(self) -> str | None:
