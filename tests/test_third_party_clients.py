@@ -624,6 +624,30 @@ def test_livekit_text_turn() -> None:
     run(scenario(), timeout=30)
 
 
+def test_livekit_with_video_on_sends_frames_as_images_and_keeps_answering() -> None:
+    """LiveKit sends each video frame it samples as an ``input_image`` item (a JPEG); the session goes on."""
+
+    async def scenario() -> None:
+        from livekit import rtc
+
+        async with live_server() as server, livekit_session(server) as r:
+            for shade in (40, 160):
+                pixels = bytes([shade, 90, 200, 255]) * (64 * 48)
+                r.session.push_video(rtc.VideoFrame(64, 48, rtc.VideoBufferType.RGBA, pixels))
+            await r.wait_server("conversation.item.done", count=2)
+            images = [e["item"]["content"][0] for e in r.server("conversation.item.done")]
+            assert [i["type"] for i in images] == ["input_image", "input_image"]
+            assert all(i["image_url"].startswith(("data:image/jpeg;base64,", "data:image/png;base64,")) for i in images)
+            gen = await livekit_say(r.session, "what do you see")
+            texts, audio, _ = await asyncio.wait_for(read_generation(gen), TURN_TIMEOUT)
+            assert texts and texts[0].startswith("You said: what do you see") and len(audio) > RATE // 2
+            assert (await r.wait_server("response.done"))["response"]["status"] == "completed"
+            r.assert_clean()
+
+    needs_livekit()
+    run(scenario(), timeout=30)
+
+
 def _server_vad() -> Any:
     from openai.types.realtime.realtime_audio_input_turn_detection import ServerVad
 
