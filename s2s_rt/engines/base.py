@@ -338,6 +338,20 @@ class TTS(Protocol):
         ...
 
 
+class Denoiser(Protocol):
+    """One session's denoising stream: pipeline-rate samples in, as many out (a constant delay later)."""
+
+    def process(self, samples: Float32Array) -> Float32Array: ...
+
+
+class NoiseReduction(Protocol):
+    """A noise-reduction model shared by the process; each session gets a stream of its own."""
+
+    def denoiser(self) -> Denoiser: ...
+
+    def describe(self) -> str: ...
+
+
 @dataclass(slots=True)
 class Stack:
     """One loaded model of each kind, shared by every slot of the process."""
@@ -349,3 +363,5 @@ class Stack:
     tts: TTS
     #: Human-readable lines for the start-up log (model paths, providers).
     description: list[str] = field(default_factory=list)
+    #: Noise reduction, for sessions that ask for it (``audio.input.noise_reduction``); None: not installed.
+    noise: NoiseReduction | None = None

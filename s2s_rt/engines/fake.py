@@ -41,6 +41,7 @@ from s2s_rt.engines.base import (
     Float32Array,
     LLMRequest,
     LLMUsage,
+    NoiseReduction,
     Stack,
     StopCheck,
     Transcript,
@@ -262,4 +263,15 @@ def load_fake_stack(
         llm=EchoLLM(llm_token_delay_ms, stream_tool_calls=stream_tool_calls),
         tts=ToneTTS(tts_delay_ms),
         description=["fake stack: energy VAD, checksum STT, echo LLM, tone TTS (for tests)"],
+        noise=_rnnoise(),
     )
+
+
+def _rnnoise() -> NoiseReduction | None:
+    """The real noise reduction where it is installed (small, fast and deterministic); else none."""
+    from s2s_rt.engines.rnnoise import DenoiserUnavailable, RNNoise
+
+    try:
+        return RNNoise()
+    except DenoiserUnavailable:
+        return None

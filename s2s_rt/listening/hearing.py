@@ -20,7 +20,7 @@ import numpy as np
 
 from s2s_rt.audio import AudioFormat, AudioFormatError, Resampler
 from s2s_rt.budget import ByteBudget
-from s2s_rt.engines.base import PIPELINE_RATE, VAD, Float32Array
+from s2s_rt.engines.base import PIPELINE_RATE, VAD, Denoiser, Float32Array
 from s2s_rt.scope import Scope
 
 T = TypeVar("T")
@@ -92,6 +92,8 @@ class SessionAudio:
         self.scoring = scoring
         self.format = input_format
         self.resampler = Resampler(input_format.rate, PIPELINE_RATE)
+        #: Denoises the audio before the VAD and the recogniser hear it (``noise_reduction``); None: heard as sent.
+        self.denoiser: Denoiser | None = None
         #: Samples not yet a whole VAD window, carried to the next tick.
         self.pending = np.zeros(0, np.float32)
 
@@ -273,6 +275,14 @@ def hear(vad: VAD, work: Sequence[tuple[SessionAudio, list[AudioBytes], bool]]) 
         resampled = Resampler.process_block([work[i][0].resampler for i in members], block)
         for i, out in zip(members, resampled, strict=True):
             samples[i] = out
+    # 1b. Denoise, each session that asked for it with its own stream (a failure is that session's alone).
+    for i, (ls, _, _) in enumerate(work):
+        denoiser = ls.denoiser
+        if denoiser is not None and heard[i] is None and len(samples[i]):
+            try:
+                samples[i] = denoiser.process(samples[i])
+            except Exception as exc:
+                heard[i] = Heard(NOTHING, NOTHING, exc)
     # 2. Cut windows, a group of one rest length and one new length at a time.
     cuts: dict[tuple[int, int], list[int]] = {}
     for i, (ls, _, score) in enumerate(work):

@@ -84,6 +84,7 @@ class SessionIn(Struct, kw_only=True):
     output_audio_format: str | UnsetType | None = UNSET
     input_audio_transcription: TranscriptionIn | UnsetType | None = UNSET
     turn_detection: TurnDetectionIn | UnsetType | None = UNSET
+    input_audio_noise_reduction: Any = UNSET
     max_response_output_tokens: MaxTokens | UnsetType | None = UNSET
     # GA
     output_modalities: list[str] | UnsetType | None = UNSET

@@ -8,7 +8,7 @@ in the client's dialect (beta flat fields or GA nested ``audio``).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -19,16 +19,13 @@ from s2s_rt.protocol import client_events as ce
 from s2s_rt.protocol.errors import ProtocolError
 from s2s_rt.protocol.server_events import Dialect
 from s2s_rt.protocol.truncation import Truncation, parse_truncation
+from s2s_rt.protocol.voices import Voices
 
 T = TypeVar("T")
 
 #: Cap applied when a client asks for "inf" output tokens.
 MAX_OUTPUT_TOKENS_CAP = 4096
 DEFAULT_MAX_OUTPUT_TOKENS = 1024
-
-#: Voice names of the hosted service; accepted, and spoken by the voice the operator maps each to (default: the
-#: default voice).
-OPENAI_VOICES = frozenset({"alloy", "ash", "ballad", "coral", "echo", "sage", "shimmer", "verse", "marin", "cedar"})
 
 #: Speaking rates the Realtime API allows (``audio.output.speed``).
 MIN_SPEED, MAX_SPEED = 0.25, 1.5
@@ -80,62 +77,10 @@ class SessionConfig:
     max_output_tokens: int | str = "inf"
     tools: list[dict[str, Any]] = field(default_factory=list)
     tool_choice: Any = "auto"
+    #: ``near_field`` or ``far_field``: input audio is denoised before the VAD and the recogniser hear it (None: off).
+    noise_reduction: str | None = None
     #: What the model stops reading once the conversation outgrows its context (:mod:`s2s_rt.protocol.truncation`).
     truncation: Truncation = field(default_factory=Truncation)
-
-
-@dataclass(frozen=True, slots=True)
-class Voices:
-    """The voices a session may ask for: the installed ones and the operator's names for them.
-
-    A request names an installed voice, a name the operator mapped to one
-    (``voice_names``: ``ash`` -> ``en_US-ryan-medium``), or, in the newest
-    types, a custom voice object ``{"id": ...}`` whose id is either. OpenAI's
-    names the operator did not map are spoken by the default voice, so clients
-    written for the hosted service work unchanged; any other name is an error.
-    """
-
-    #: The installed voices; the first speaks when none is asked for.
-    installed: tuple[str, ...] = ("default",)
-    #: The operator's names: requested name -> installed voice.
-    names: Mapping[str, str] = field(default_factory=dict)
-
-    @classmethod
-    def of(cls, installed: Iterable[str], names: Mapping[str, str] | None = None) -> Voices:
-        """The voices for ``installed`` and the operator's ``names``.
-
-        Raises:
-            ValueError: a name maps to a voice that is not installed.
-        """
-        voices = tuple(installed) or ("default",)
-        mapped = dict(names or {})
-        for name, target in mapped.items():
-            if target not in voices:
-                installed_list = ", ".join(voices)
-                raise ValueError(f"voice_names: {name!r} maps to {target!r}, which is not installed ({installed_list})")
-        return cls(voices, mapped)
-
-    @property
-    def default(self) -> str:
-        return self.installed[0]
-
-    def pick(self, voice: str | ce.VoiceIdIn, event_id: str | None, param: str) -> str:
-        """The installed voice that speaks for a request.
-
-        Raises:
-            ProtocolError: a name or id that is neither installed, mapped, nor one of OpenAI's.
-        """
-        custom = isinstance(voice, ce.VoiceIdIn)
-        name = voice.id if isinstance(voice, ce.VoiceIdIn) else voice
-        if name in self.installed:
-            return name
-        if name in self.names:
-            return self.names[name]
-        if name in OPENAI_VOICES and not custom:
-            return self.default
-        offered = ", ".join([*self.installed, *self.names])
-        what = f"Unknown custom voice id {name!r}" if custom else f"Unknown voice {name!r}"
-        raise ProtocolError("unknown_voice", f"{what}; available: {offered}", param=param, event_id=event_id)
 
 
 def apply_update(cfg: SessionConfig, ev: ce.SessionUpdate, voices: Voices) -> None:
@@ -216,6 +161,11 @@ def apply_update(cfg: SessionConfig, ev: ce.SessionUpdate, voices: Voices) -> No
         new["tool_choice"] = patch.tool_choice
     elif isinstance(patch.tools, list):
         check_tool_choice(cfg.tool_choice, tools, fail)
+    noise: Any = patch.input_audio_noise_reduction
+    if a_in is not None and a_in.noise_reduction is not UNSET:
+        noise = a_in.noise_reduction
+    if noise is not UNSET:
+        new["noise_reduction"] = _noise_reduction(noise, fail, "audio.input" if a_in is not None else "input_audio")
     if patch.truncation is not UNSET and patch.truncation is not None:
         new["truncation"] = parse_truncation(patch.truncation, eid)
     if new.get("kind", cfg.kind) == "transcription" and new.get("transcription", cfg.transcription) is None:
@@ -306,6 +256,7 @@ BETA_MODELS = (
 
 def render(cfg: SessionConfig, dialect: Dialect, session_id: str) -> dict[str, Any]:
     """The session object as the client's dialect shapes it."""
+    noise = {"type": cfg.noise_reduction} if cfg.noise_reduction else None
     td: dict[str, Any] | None = None
     if cfg.turn_detection is not None:
         t = cfg.turn_detection
@@ -348,6 +299,7 @@ def render(cfg: SessionConfig, dialect: Dialect, session_id: str) -> dict[str, A
             "output_audio_format": cfg.output_format.beta_name,
             "input_audio_transcription": tr,
             "turn_detection": td,
+            "input_audio_noise_reduction": noise,
             "max_response_output_tokens": cfg.max_output_tokens,
         }
     return common | {
@@ -359,7 +311,7 @@ def render(cfg: SessionConfig, dialect: Dialect, session_id: str) -> dict[str, A
                 "format": render_format(cfg.input_format),
                 "transcription": tr,
                 "turn_detection": td,
-                "noise_reduction": None,
+                "noise_reduction": noise,
             },
             "output": {"format": render_format(cfg.output_format), "voice": cfg.voice, "speed": cfg.speed},
         },
@@ -372,6 +324,7 @@ def render_transcription(
     cfg: SessionConfig, dialect: Dialect, session_id: str, tr: dict[str, Any] | None, td: dict[str, Any] | None
 ) -> dict[str, Any]:
     """A transcription session, as GA's ``session.*`` or beta's ``transcription_session.updated`` shows it."""
+    noise = {"type": cfg.noise_reduction} if cfg.noise_reduction else None
     if dialect.beta:
         beta_td = None
         if td is not None:
@@ -393,7 +346,7 @@ def render_transcription(
                 "format": render_format(cfg.input_format),
                 "transcription": tr,
                 "turn_detection": td,
-                "noise_reduction": None,
+                "noise_reduction": noise,
             }
         },
         "include": None,
@@ -434,6 +387,24 @@ def check_max_tokens(value: int | str) -> int | str:
     if isinstance(value, int) and 1 <= value <= MAX_OUTPUT_TOKENS_CAP:
         return value
     raise ValueError(f"max output tokens must be 1..{MAX_OUTPUT_TOKENS_CAP} or 'inf', not {value!r}")
+
+
+#: ``noise_reduction.type`` values (OpenAI's: a close-talking microphone, or one across the room).
+NOISE_REDUCTION_TYPES = ("near_field", "far_field")
+
+
+def _noise_reduction(value: Any, fail: Callable[[str, str, str], ProtocolError], where: str) -> str | None:
+    """``noise_reduction`` as sent: null (off) or ``{"type": "near_field" | "far_field"}``."""
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind not in NOISE_REDUCTION_TYPES or set(value) - {"type"}:
+        raise fail(
+            "invalid_value",
+            f'noise_reduction must be null or {{"type": "near_field" | "far_field"}}, not {value!r}',
+            f"{where}_noise_reduction" if where == "input_audio" else f"{where}.noise_reduction",
+        )
+    return str(kind)
 
 
 def _merge_transcription(old: Transcription | None, new: ce.TranscriptionIn) -> Transcription:

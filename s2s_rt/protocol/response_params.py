@@ -15,7 +15,6 @@ from s2s_rt.protocol.config import (
     DEFAULT_MAX_OUTPUT_TOKENS,
     MAX_OUTPUT_TOKENS_CAP,
     SessionConfig,
-    Voices,
     check_max_tokens,
     check_modalities,
     check_temperature,
@@ -25,6 +24,7 @@ from s2s_rt.protocol.config import (
     parse_format,
 )
 from s2s_rt.protocol.errors import ProtocolError
+from s2s_rt.protocol.voices import Voices
 
 
 @dataclass(slots=True)

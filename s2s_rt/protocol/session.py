@@ -24,7 +24,6 @@ from s2s_rt.protocol import server_events as se
 from s2s_rt.protocol.config import (
     SessionConfig,
     Transcription,
-    Voices,
     apply_update,
     render,
 )
@@ -35,6 +34,7 @@ from s2s_rt.protocol.response import Response
 from s2s_rt.protocol.response_params import ResponseParams, settle
 from s2s_rt.protocol.server_events import new_id, snapshot
 from s2s_rt.protocol.truncation import ContextFull, ContextWindow
+from s2s_rt.protocol.voices import Voices
 from s2s_rt.scope import Scope
 
 

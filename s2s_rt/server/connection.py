@@ -18,11 +18,11 @@ from s2s_rt.config import Config, ConfigError, mib
 from s2s_rt.engines.base import CountsTokens, Stack
 from s2s_rt.metrics import Metrics
 from s2s_rt.pipeline.ports import Channel, close_quickly
-from s2s_rt.protocol.config import Voices
 from s2s_rt.protocol.errors import ProtocolError, ServerFault
 from s2s_rt.protocol.server_events import BETA, GA, Dialect, encode_event
 from s2s_rt.protocol.session import Session
 from s2s_rt.protocol.truncation import ContextWindow
+from s2s_rt.protocol.voices import Voices
 from s2s_rt.server.direct import DirectConnection
 from s2s_rt.server.handshake import (
     asked_model,
