@@ -171,3 +171,26 @@ def test_a_bad_truncation_is_refused_naming_the_field_and_changes_nothing(value:
                 assert unchanged.session.truncation == "auto"
 
     run(scenario())
+
+
+def test_a_long_message_is_estimated_not_tokenised_on_the_event_loop() -> None:
+    """Counting runs on the event loop: a long text is taken at a token per two characters, never tokenised."""
+    from s2s_rt.engines.base import ChatMessage
+    from s2s_rt.protocol import server_events as se
+    from s2s_rt.protocol.truncation import COUNTED_CHARS, ContextWindow
+
+    tokenised: list[int] = []
+
+    def count(message: ChatMessage) -> int:
+        tokenised.append(len(message.content))
+        return len(message.content.split())
+
+    window = ContextWindow(4096, count)
+    short = se.Item(id="a", object="realtime.item", type="message", status="completed", role="user")
+    long = se.Item(id="b", object="realtime.item", type="message", status="completed", role="user")
+    assert window.cost(short, [ChatMessage("user", "a few words here")]) == 4
+    assert window.cost(long, [ChatMessage("user", "word " * 400_000)]) >= 1_000_000
+    assert tokenised == [len("a few words here")] and max(tokenised) <= COUNTED_CHARS
+    # Counted once per text.
+    window.cost(short, [ChatMessage("user", "a few words here")])
+    assert len(tokenised) == 1

@@ -37,6 +37,11 @@ from s2s_rt.protocol.errors import ProtocolError
 AUTO_RETENTION = 0.8
 #: Tokens kept free for the answer when ``max_output_tokens`` is larger (or ``inf``).
 ANSWER_ROOM = 512
+#: Longer texts are not tokenised to be counted (that runs on the event loop, about a microsecond a character):
+#: they are taken to cost a token per :data:`CHARS_PER_TOKEN` characters, more than any tokenizer makes of
+#: text, so a long message is never thought to fit when it does not.
+COUNTED_CHARS = 4000
+CHARS_PER_TOKEN = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,7 +138,7 @@ class ContextWindow:
         #: Items the model no longer reads (they stay in the conversation).
         self.left_out: set[str] = set()
         #: An item's cost, with the text it was counted for (an item's words can change: a transcript arrives).
-        self._costs: dict[str, tuple[tuple[str, ...], int]] = {}
+        self._costs: dict[str, tuple[tuple[tuple[int, int, int], ...], int]] = {}
         self._instructions: tuple[str | None, int] = (None, 0)
 
     def limit(self, setting: Truncation, answer_tokens: int, instruction_tokens: int) -> int:
@@ -146,16 +151,21 @@ class ContextWindow:
     def instruction_tokens(self, text: str) -> int:
         """Tokens the instructions and tools (as ``text``) cost; counted once while they stay the same."""
         if self._instructions[0] != text:
-            self._instructions = (text, self._message_tokens(ChatMessage("system", text)))
+            self._instructions = (text, self._tokens(ChatMessage("system", text)))
         return self._instructions[1]
+
+    def _tokens(self, message: ChatMessage) -> int:
+        if len(message.content) > COUNTED_CHARS:
+            return len(message.content) // CHARS_PER_TOKEN + 8
+        return self._message_tokens(message)
 
     def cost(self, item: se.Item, messages: Sequence[ChatMessage]) -> int:
         """Tokens ``item`` costs, as the chat ``messages`` it becomes (counted once per text)."""
-        texts = tuple(m.content for m in messages)
+        texts = tuple((len(m.content), hash(m.content), len(m.images)) for m in messages)  # not the text: no copy kept
         known = self._costs.get(item.id or "")
         if known is not None and known[0] == texts:
             return known[1]
-        tokens = sum(self._message_tokens(m) for m in messages)
+        tokens = sum(self._tokens(m) for m in messages)
         if item.id:
             self._costs[item.id] = (texts, tokens)
         return tokens
