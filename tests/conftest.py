@@ -270,6 +270,13 @@ class RealtimeClient:
         return [e for e in self.events if e["type"] == type]
 
 
+def sdk_client(port: int) -> Any:
+    """The official openai SDK's client for the server on ``port`` (``.realtime.connect(...)``, ``.beta.realtime``)."""
+    from openai import AsyncOpenAI
+
+    return AsyncOpenAI(api_key="sk-local", websocket_base_url=f"ws://127.0.0.1:{port}/v1")
+
+
 async def http_get(
     server: Server, path: str, *, method: str = "GET", headers: dict[str, str] | None = None
 ) -> tuple[int, str]:

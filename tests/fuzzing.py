@@ -576,6 +576,11 @@ class Session:
 # --- what hostile sessions send --------------------------------------------------------------
 
 WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november".split()
+#: A 4 x 4 PNG as a data URI (an ``input_image`` the server takes).
+TINY_PNG = "data:image/png;base64," + (
+    "iVBORw0KGgoAAAANSUhEUgAAAAQAAAAECAIAAAAmkwkpAAAAFElEQVR4nGPkTD7OAANMDEgANwcAPDwBOxWo/AIAAAAASUVORK5CYII="
+)
+
 TOOL = {
     "type": "function",
     "name": "lookup",
@@ -759,6 +764,25 @@ class Hostile:
         if rng.random() < 0.1:
             session["tools"] = [TOOL]
             session["tool_choice"] = rng.choice(["auto", "required", "none"])
+        if rng.random() < 0.15:  # noise reduction, in the session's shape
+            noise = rng.choice([None, {"type": "near_field"}, {"type": "far_field"}, {"type": "loud"}, "near_field"])
+            if beta_shape:
+                session["input_audio_noise_reduction"] = noise
+            else:
+                session.setdefault("audio", {}).setdefault("input", {})["noise_reduction"] = noise
+        if rng.random() < 0.15:
+            session["truncation"] = rng.choice(
+                [
+                    "auto",
+                    "disabled",
+                    {"type": "retention_ratio", "retention_ratio": 0.5, "token_limits": {"post_instructions": 40}},
+                    {"type": "retention_ratio", "retention_ratio": rng.choice([0.0, 1.0, 2.0])},
+                    "sometimes",
+                ]
+            )
+        if not beta_shape and rng.random() < 0.1:
+            voice = rng.choice([{"id": "tone-low"}, {"id": "voice_1234"}, {"id": 7}, {}])
+            session.setdefault("audio", {}).setdefault("output", {})["voice"] = voice
         return {"type": "session.update", "session": session}
 
     def transcription_session_update(self, s: Session) -> dict[str, Any]:
@@ -773,7 +797,7 @@ class Hostile:
 
     def item(self, s: Session) -> dict[str, Any]:
         rng = self.rng
-        kind = rng.choice(["user", "user", "user", "assistant", "system", "audio", "call", "output", "bogus"])
+        kind = rng.choice(["user", "user", "user", "assistant", "system", "audio", "call", "output", "image", "bogus"])
         item: dict[str, Any]
         if kind == "user":
             item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": self.words()}]}
@@ -784,6 +808,14 @@ class Hostile:
         elif kind == "audio":
             pcm = speech_like(AudioFormat(), rng.uniform(200, 900), rng.uniform(0.0, 0.6), 0.1)
             item = {"type": "message", "role": "user", "content": [{"type": "input_audio", "audio": _b64(pcm)}]}
+        elif kind == "image":
+            url = rng.choice([TINY_PNG, TINY_PNG, "data:image/png;base64,AAAA", "http://127.0.0.1:9/x.png", "", None])
+            part = {
+                "type": "input_image",
+                "image_url": url,
+                "detail": rng.choice(["auto", "low", "high", "huge", None]),
+            }
+            item = {"type": "message", "role": "user", "content": [part, {"type": "input_text", "text": self.words()}]}
         elif kind == "call":
             item = {
                 "type": "function_call",

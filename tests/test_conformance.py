@@ -457,3 +457,62 @@ def test_spoken_turns_a_barge_in_and_a_tool_call_send_only_conformant_events(bet
             assert ('s2s_speculative_stt_total{outcome="' in metrics) is bool(speculation), "speculated as asked"
 
     run(scenario())
+
+
+def test_the_session_features_agent_sdks_send_get_only_conformant_events() -> None:
+    """Voices by name and custom voice objects, noise reduction, truncation and images, in OpenAI's GA types."""
+    import base64
+    import dataclasses
+    import io
+
+    from PIL import Image
+
+    from s2s_rt.engines.fake import EchoLLM, load_fake_stack
+
+    out = io.BytesIO()
+    Image.new("RGB", (8, 8), (1, 2, 3)).save(out, format="PNG")
+    image = {"type": "input_image", "image_url": "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()}
+    stack = dataclasses.replace(load_fake_stack(), llm=EchoLLM(context_tokens=300))
+
+    async def scenario() -> None:
+        async with live_server(stack, voice_names={"ash": "tone-low"}) as server:
+            async with RealtimeClient.connect(server, beta=False) as c:
+                await c.send(
+                    "session.update",
+                    session={
+                        "type": "realtime",
+                        "output_modalities": ["text"],
+                        "max_output_tokens": 40,
+                        "audio": {"input": {"noise_reduction": {"type": "far_field"}}, "output": {"voice": "ash"}},
+                        "truncation": {"type": "retention_ratio", "retention_ratio": 0.5},
+                    },
+                )
+                updated = (await c.until("session.updated"))["session"]
+                assert updated["audio"]["output"]["voice"] == "tone-low"
+                await c.send(
+                    "session.update", session={"type": "realtime", "audio": {"output": {"voice": {"id": "tone"}}}}
+                )
+                await c.until("session.updated")
+                await c.send(
+                    "conversation.item.create",
+                    item={
+                        "type": "message",
+                        "role": "user",
+                        "content": [{"type": "input_text", "text": "look"}, image],
+                    },
+                )
+                assert (await c.until("conversation.item.done"))["item"]["content"][1]["type"] == "input_image"
+                for n in range(6):  # past the fake model's 300 tokens: items left out
+                    done = await c.say_text(" ".join(f"w{n}x{i}" for i in range(30)))
+                    assert done["response"]["status"] == "completed"
+                await c.send("session.update", session={"type": "realtime", "truncation": "disabled"})
+                await c.until("session.updated")
+                await c.send("conversation.item.create", item={"type": "message", "role": "user", "content": [
+                    {"type": "input_text", "text": " ".join(["long"] * 400)}]})  # fmt: skip
+                await c.until("conversation.item.done")
+                await c.send("response.create")
+                failed = await c.until("response.done")
+                assert failed["response"]["status_details"]["error"]["code"] == "context_length_exceeded"
+                assert (await c.until("error"))["error"]["code"] == "context_length_exceeded"
+
+    run(scenario())

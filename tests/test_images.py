@@ -19,17 +19,12 @@ import zlib
 from typing import Any
 
 import pytest
-from conftest import live_server, run
-from openai import AsyncOpenAI
+from conftest import live_server, run, sdk_client
 from PIL import Image
 
 from s2s_rt.engines.base import ChatMessage, SharedImage
 from s2s_rt.engines.chat_formats import ChatFormat
 from s2s_rt.engines.remote_llm import chat_messages
-
-
-def _client(port: int) -> AsyncOpenAI:
-    return AsyncOpenAI(api_key="sk-local", websocket_base_url=f"ws://127.0.0.1:{port}/v1")
 
 
 def _png(width: int = 32, height: int = 24, color: tuple[int, int, int] = (200, 30, 30)) -> bytes:
@@ -81,7 +76,7 @@ QUESTION = {"type": "input_text", "text": "What colour is this?"}
 def test_an_image_is_kept_echoed_and_a_model_that_cannot_see_is_told_so() -> None:
     async def scenario() -> None:
         async with live_server() as server:
-            async with _client(server.port).realtime.connect(model="gpt-realtime") as conn:
+            async with sdk_client(server.port).realtime.connect(model="gpt-realtime") as conn:
                 png = _uri(_png())
                 image = {"type": "input_image", "image_url": png, "detail": "low"}
                 done = await _send_item(conn, [QUESTION, image])
@@ -124,7 +119,7 @@ def test_a_bad_image_is_refused_naming_what_is_wrong_and_the_session_goes_on(
 ) -> None:
     async def scenario() -> None:
         async with live_server() as server:
-            async with _client(server.port).realtime.connect(model="gpt-realtime") as conn:
+            async with sdk_client(server.port).realtime.connect(model="gpt-realtime") as conn:
                 image: dict[str, Any] = {"type": "input_image"}
                 if image_url is not None:
                     image["image_url"] = image_url
@@ -149,7 +144,7 @@ def test_an_image_counts_in_the_conversations_memory_budget() -> None:
         big = _uri(out.getvalue())
         assert len(big) > 60_000
         async with live_server(max_conversation_mib=0.05) as server:  # 52 kB
-            async with _client(server.port).realtime.connect(model="gpt-realtime") as conn:
+            async with sdk_client(server.port).realtime.connect(model="gpt-realtime") as conn:
                 refused = await _send_item(conn, [{"type": "input_image", "image_url": big}])
                 assert refused.type == "error" and refused.error.code == "conversation_item_too_large"
                 kept = await _send_item(conn, [{"type": "input_image", "image_url": _uri(_png())}])
@@ -161,7 +156,7 @@ def test_an_image_counts_in_the_conversations_memory_budget() -> None:
 def test_the_beta_interface_refuses_images_its_types_do_not_have() -> None:
     async def scenario() -> None:
         async with live_server() as server:
-            client = _client(server.port)
+            client = sdk_client(server.port)
             async with client.beta.realtime.connect(model="gpt-4o-realtime-preview") as conn:
                 image = {"type": "input_image", "image_url": _uri(_png())}
                 await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [image]})
@@ -237,7 +232,7 @@ def test_with_llm_url_the_image_reaches_the_endpoint() -> None:
         async with RecordingEndpoint() as endpoint:
             url = f"http://127.0.0.1:{endpoint.port}/v1"
             async with live_server(llm_url=url, llm_model="recorder") as server:
-                async with _client(server.port).realtime.connect(model="gpt-realtime") as conn:
+                async with sdk_client(server.port).realtime.connect(model="gpt-realtime") as conn:
                     png = _uri(_png())
                     await _send_item(conn, [QUESTION, {"type": "input_image", "image_url": png}])
                     assert await _answer(conn) == "A red square."

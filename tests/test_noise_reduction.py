@@ -19,16 +19,11 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import live_server, require, run
-from openai import AsyncOpenAI
+from conftest import live_server, require, run, sdk_client
 
 from s2s_rt.audio import Resampler
 
 RATE = 24_000
-
-
-def _client(port: int) -> AsyncOpenAI:
-    return AsyncOpenAI(api_key="sk-local", websocket_base_url=f"ws://127.0.0.1:{port}/v1")
 
 
 def _question_in_noise(tmp_path: Path) -> bytes:
@@ -83,7 +78,7 @@ def test_in_steady_noise_a_question_ends_its_turn_and_is_answered_only_with_nois
 
     async def scenario() -> None:
         async with live_server() as server:
-            async with _client(server.port).realtime.connect(model="gpt-realtime") as conn:
+            async with sdk_client(server.port).realtime.connect(model="gpt-realtime") as conn:
                 updated = await _setup(conn, {"type": "near_field"})
                 assert updated.type == "session.updated"
                 assert updated.session.audio.input.noise_reduction.type == "near_field"
@@ -92,7 +87,7 @@ def test_in_steady_noise_a_question_ends_its_turn_and_is_answered_only_with_nois
                 assert "input_audio_buffer.speech_stopped" in types and types[-1] == "response.done", types
                 started = next(e for e in events if e.type == "input_audio_buffer.speech_started")
                 assert 300 <= started.audio_start_ms <= 1000  # the voice, not the noise before it
-            async with _client(server.port).realtime.connect(model="gpt-realtime") as conn:
+            async with sdk_client(server.port).realtime.connect(model="gpt-realtime") as conn:
                 off = await _setup(conn, None)
                 assert off.type == "session.updated" and off.session.audio.input.noise_reduction is None
                 events = await _events_after(conn, audio, 3.0)
@@ -107,7 +102,7 @@ def test_in_steady_noise_a_question_ends_its_turn_and_is_answered_only_with_nois
 def test_a_bad_noise_reduction_is_refused_naming_the_field(value: Any) -> None:
     async def scenario() -> None:
         async with live_server() as server:
-            async with _client(server.port).realtime.connect(model="gpt-realtime") as conn:
+            async with sdk_client(server.port).realtime.connect(model="gpt-realtime") as conn:
                 refused = await _setup(conn, value)
                 assert refused.type == "error" and refused.error.code == "invalid_value"
                 assert refused.error.param == "session.audio.input.noise_reduction"
@@ -118,7 +113,7 @@ def test_a_bad_noise_reduction_is_refused_naming_the_field(value: Any) -> None:
 def test_the_beta_interface_sets_it_as_input_audio_noise_reduction() -> None:
     async def scenario() -> None:
         async with live_server() as server:
-            async with _client(server.port).beta.realtime.connect(model="gpt-4o-realtime-preview") as conn:
+            async with sdk_client(server.port).beta.realtime.connect(model="gpt-4o-realtime-preview") as conn:
                 await conn.session.update(session={"input_audio_noise_reduction": {"type": "far_field"}})
                 async for event in conn:
                     if event.type in ("session.updated", "error"):

@@ -4,12 +4,7 @@ from __future__ import annotations
 
 import base64
 
-from conftest import live_server, run, silence, tone
-from openai import AsyncOpenAI
-
-
-def _client(port: int) -> AsyncOpenAI:
-    return AsyncOpenAI(api_key="sk-local", websocket_base_url=f"ws://127.0.0.1:{port}/v1")
+from conftest import live_server, run, sdk_client, silence, tone
 
 
 async def _collect_until_done(conn) -> list:  # type: ignore[no-untyped-def]
@@ -24,7 +19,7 @@ async def _collect_until_done(conn) -> list:  # type: ignore[no-untyped-def]
 def test_sdk_ga_text_turn() -> None:
     async def scenario() -> None:
         async with live_server() as server:
-            async with _client(server.port).realtime.connect(model="gpt-realtime") as conn:
+            async with sdk_client(server.port).realtime.connect(model="gpt-realtime") as conn:
                 await conn.session.update(session={"type": "realtime", "output_modalities": ["text"]})
                 await conn.conversation.item.create(
                     item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hello sdk"}]}
@@ -43,7 +38,7 @@ def test_sdk_ga_text_turn() -> None:
 def test_sdk_ga_audio_turn() -> None:
     async def scenario() -> None:
         async with live_server() as server:
-            async with _client(server.port).realtime.connect(model="gpt-realtime") as conn:
+            async with sdk_client(server.port).realtime.connect(model="gpt-realtime") as conn:
                 await conn.session.update(
                     session={"type": "realtime", "audio": {"input": {"transcription": {"model": "whisper-1"}}}}
                 )
@@ -66,7 +61,7 @@ def test_sdk_ga_audio_turn() -> None:
 def test_sdk_beta_text_and_audio_turn() -> None:
     async def scenario() -> None:
         async with live_server() as server:
-            async with _client(server.port).beta.realtime.connect(model="gpt-4o-realtime-preview") as conn:
+            async with sdk_client(server.port).beta.realtime.connect(model="gpt-4o-realtime-preview") as conn:
                 await conn.session.update(
                     session={
                         "modalities": ["text", "audio"],

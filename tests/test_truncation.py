@@ -11,8 +11,7 @@ import dataclasses
 import itertools
 
 import pytest
-from conftest import live_server, run
-from openai import AsyncOpenAI
+from conftest import live_server, run, sdk_client
 
 from s2s_rt.engines.fake import EchoLLM, load_fake_stack
 
@@ -23,10 +22,6 @@ CONTEXT, ANSWER = 700, 60
 def _stack():  # type: ignore[no-untyped-def]
     stack = load_fake_stack()
     return dataclasses.replace(stack, llm=EchoLLM(context_tokens=CONTEXT))
-
-
-def _client(port: int) -> AsyncOpenAI:
-    return AsyncOpenAI(api_key="sk-local", websocket_base_url=f"ws://127.0.0.1:{port}/v1")
 
 
 async def _until(conn, *types: str):  # type: ignore[no-untyped-def]
@@ -67,7 +62,7 @@ async def _turn(conn, n: int, words: int = 50) -> tuple[list, object]:  # type: 
 def test_auto_leaves_the_oldest_items_out_of_what_the_model_reads_and_keeps_them_in_the_conversation() -> None:
     async def scenario() -> None:
         async with live_server(_stack()) as server:
-            async with _client(server.port).realtime.connect(model="gpt-realtime") as conn:
+            async with sdk_client(server.port).realtime.connect(model="gpt-realtime") as conn:
                 updated = await _setup(conn, "auto")
                 assert updated.type == "session.updated" and updated.session.truncation == "auto"
                 read = []
@@ -100,7 +95,7 @@ def test_auto_leaves_the_oldest_items_out_of_what_the_model_reads_and_keeps_them
 def test_disabled_fails_the_response_that_does_not_fit_with_openais_error_and_auto_then_answers() -> None:
     async def scenario() -> None:
         async with live_server(_stack()) as server:
-            async with _client(server.port).realtime.connect(model="gpt-realtime") as conn:
+            async with sdk_client(server.port).realtime.connect(model="gpt-realtime") as conn:
                 updated = await _setup(conn, "disabled")
                 assert updated.type == "session.updated" and updated.session.truncation == "disabled"
                 statuses = []
@@ -126,7 +121,7 @@ def test_disabled_fails_the_response_that_does_not_fit_with_openais_error_and_au
 def test_retention_ratio_with_its_own_limit() -> None:
     async def scenario() -> None:
         async with live_server(_stack()) as server:
-            async with _client(server.port).realtime.connect(model="gpt-realtime") as conn:
+            async with sdk_client(server.port).realtime.connect(model="gpt-realtime") as conn:
                 setting = {
                     "type": "retention_ratio",
                     "retention_ratio": 0.5,
@@ -162,7 +157,7 @@ def test_retention_ratio_with_its_own_limit() -> None:
 def test_a_bad_truncation_is_refused_naming_the_field_and_changes_nothing(value: object, param: str) -> None:
     async def scenario() -> None:
         async with live_server(_stack()) as server:
-            async with _client(server.port).realtime.connect(model="gpt-realtime") as conn:
+            async with sdk_client(server.port).realtime.connect(model="gpt-realtime") as conn:
                 refused = await _setup(conn, value)
                 assert refused.type == "error" and refused.error.code == "invalid_value"
                 assert refused.error.param == param

@@ -10,14 +10,9 @@ import base64
 
 import numpy as np
 import pytest
-from conftest import live_server, run
-from openai import AsyncOpenAI
+from conftest import live_server, run, sdk_client
 
 from s2s_rt.config import ConfigError, load_config
-
-
-def _client(port: int) -> AsyncOpenAI:
-    return AsyncOpenAI(api_key="sk-local", websocket_base_url=f"ws://127.0.0.1:{port}/v1")
 
 
 def _pitch(audio: bytes) -> float:
@@ -55,7 +50,7 @@ async def _updated(conn, voice: object) -> object:  # type: ignore[no-untyped-de
 def test_an_openai_voice_name_speaks_with_the_voice_the_operator_mapped_it_to() -> None:
     async def scenario() -> None:
         async with live_server(voice_names={"ash": "tone-low"}) as server:
-            async with _client(server.port).realtime.connect(model="gpt-realtime") as conn:
+            async with sdk_client(server.port).realtime.connect(model="gpt-realtime") as conn:
                 _, default_audio = await _answer(conn)
                 updated = await _updated(conn, "ash")
                 assert updated.type == "session.updated"
@@ -72,7 +67,7 @@ def test_an_openai_voice_name_speaks_with_the_voice_the_operator_mapped_it_to() 
 def test_a_custom_voice_object_selects_an_installed_voice_by_id_and_an_unknown_id_is_an_error() -> None:
     async def scenario() -> None:
         async with live_server(voice_names={"narrator": "tone-low"}) as server:
-            async with _client(server.port).realtime.connect(model="gpt-realtime") as conn:
+            async with sdk_client(server.port).realtime.connect(model="gpt-realtime") as conn:
                 _, default_audio = await _answer(conn)
                 by_id = await _updated(conn, {"id": "tone-low"})
                 assert by_id.type == "session.updated" and by_id.session.audio.output.voice == "tone-low"
@@ -95,7 +90,7 @@ def test_a_custom_voice_object_selects_an_installed_voice_by_id_and_an_unknown_i
 def test_a_response_may_speak_with_another_voice_for_itself_alone() -> None:
     async def scenario() -> None:
         async with live_server(voice_names={"ash": "tone-low"}) as server:
-            async with _client(server.port).realtime.connect(model="gpt-realtime") as conn:
+            async with sdk_client(server.port).realtime.connect(model="gpt-realtime") as conn:
                 _, plain = await _answer(conn)
                 events, low = await _answer(conn, audio={"output": {"voice": "ash"}})
                 assert events[-1].type == "response.done"
