@@ -140,11 +140,11 @@ class ChatMessage:
     images: tuple[SharedImage, ...] = ()
 
     def shown_without_images(self) -> str:
-        """The text, telling a model that cannot see that images were shared (its answer must not pretend)."""
+        """The text, telling a model that cannot see where images were shared (its system text says it cannot see)."""
         if not self.images:
             return self.content
         shared = "an image" if len(self.images) == 1 else f"{len(self.images)} images"
-        note = f"(The user shared {shared} here. You cannot see images: never describe one; say you cannot see it.)"
+        note = f"[{shared} attached, which you cannot see]"
         return f"{self.content}\n\n{note}" if self.content else note
 
 

@@ -49,6 +49,13 @@ class ChatPrompt:
         return prompt, min(max_tokens, context_tokens - len(prompt))
 
 
+#: Told to a model that cannot see when images are in the conversation.
+BLIND = (
+    "\n\nYou cannot see images. When the user shares an image, you do not know what it shows: say that you"
+    " cannot see images, and never guess or describe what an image shows."
+)
+
+
 class ChatFormat(abc.ABC):
     """A chat model's turn markup, rendering a conversation as token ids.
 
@@ -166,6 +173,8 @@ class ChatFormat(abc.ABC):
             system = self.default_system
         results = _last_results(messages)
         answering_results = bool(results) and not any(is_error_result(m.content) for m in results)
+        if any(m.images for m in messages):
+            system = (system or "") + BLIND
         if tools and (require_tool or not answering_results):
             system = (system or "") + tools_section(tools)
         else:
