@@ -764,12 +764,6 @@ class Hostile:
         if rng.random() < 0.1:
             session["tools"] = [TOOL]
             session["tool_choice"] = rng.choice(["auto", "required", "none"])
-        if rng.random() < 0.15:  # noise reduction, in the session's shape
-            noise = rng.choice([None, {"type": "near_field"}, {"type": "far_field"}, {"type": "loud"}, "near_field"])
-            if beta_shape:
-                session["input_audio_noise_reduction"] = noise
-            else:
-                session.setdefault("audio", {}).setdefault("input", {})["noise_reduction"] = noise
         if rng.random() < 0.15:
             session["truncation"] = rng.choice(
                 [

@@ -10,7 +10,7 @@ from typing import TypeVar
 from s2s_rt.engines.base import LLM, Stack
 from s2s_rt.engines.device import resolve_device
 from s2s_rt.engines.piper import PiperTTS, voice_languages
-from s2s_rt.engines.rnnoise import RNNoise
+from s2s_rt.engines.rnnoise import LazyRNNoise
 from s2s_rt.engines.silero import SileroVAD
 from s2s_rt.engines.whisper import WhisperSTT
 from s2s_rt.inference import call_lowered
@@ -141,7 +141,7 @@ def load_default_stack(
         *tts.describe(),
         f"TTS: {len(tts.voices)} voice(s) loaded in {load_seconds['TTS']:.2f} s",
     ]
-    noise = RNNoise()
+    noise = LazyRNNoise()
     description.append(noise.describe())
     return Stack(name="default", vad=vad, stt=stt, llm=llm, tts=tts, description=description, noise=noise)
 

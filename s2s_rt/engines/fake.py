@@ -269,9 +269,9 @@ def load_fake_stack(
 
 def _rnnoise() -> NoiseReduction | None:
     """The real noise reduction where it is installed (small, fast and deterministic); else none."""
-    from s2s_rt.engines.rnnoise import DenoiserUnavailable, RNNoise
+    from s2s_rt.engines.rnnoise import DenoiserUnavailable, LazyRNNoise
 
     try:
-        return RNNoise()
+        return LazyRNNoise()
     except DenoiserUnavailable:
         return None
