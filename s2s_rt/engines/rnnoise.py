@@ -10,9 +10,11 @@ the VAD's worker thread does not hold up the event loop.
 
 RNNoise works at 48 kHz in frames of 480 samples. The pipeline's 16 kHz
 audio is resampled up for it and back down after; a denoiser gives back as
-many samples as it is given, :data:`DELAY_SAMPLES` later (the frame and the
-resamplers' filters need that much ahead), so the time of every sample the
-VAD scores moves by that constant and nothing else.
+many samples as it is given, a constant time later: :data:`DELAY_SAMPLES` of
+room for the frame and the resamplers to fill, plus RNNoise's own lag and the
+filters' (650 samples, 40.6 ms in all, measured by cross-correlation in
+``python -m s2s_rt.evaluation.noise``), so the time of every sample the VAD
+scores moves by that constant and nothing else.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from s2s_rt.engines.base import PIPELINE_RATE, Float32Array
 #: RNNoise's rate and frame.
 RNNOISE_RATE = 48_000
 FRAME = 480
-#: How much later (in pipeline samples: 20 ms) a denoiser's output comes than its input.
+#: Pipeline samples (20 ms) a denoiser holds before its first output: room for a frame and the resamplers to fill.
 DELAY_SAMPLES = 320
 #: RNNoise reads 16-bit sample values as floats.
 SCALE = 32768.0
@@ -81,15 +83,12 @@ class RNNoise:
             raise DenoiserUnavailable(f"{self.path}: frames of {lib.rnnoise_get_frame_size()} samples, not {FRAME}")
         self._lib = lib
 
-    def describe(self) -> str:
-        return f"noise reduction: RNNoise ({self.path.name}, on request: audio.input.noise_reduction)"
-
     def denoiser(self) -> Denoiser:
         return Denoiser(self._lib)
 
 
 class Denoiser:
-    """One session's denoising stream: 16 kHz float samples in, as many out, :data:`DELAY_SAMPLES` later.
+    """One session's denoising stream: 16 kHz float samples in, as many out, about 40 ms later.
 
     Used by one thread at a time (the VAD worker's, one tick after another).
     """
@@ -105,7 +104,7 @@ class Denoiser:
         self._ready = np.zeros(DELAY_SAMPLES, np.float32)  # 16 kHz, denoised, not yet given back
 
     def process(self, samples: Float32Array) -> Float32Array:
-        """Denoise the next samples; returns as many, delayed by :data:`DELAY_SAMPLES`."""
+        """Denoise the next samples; returns as many, a constant time later."""
         if not len(samples):
             return samples
         up = np.concatenate([self._waiting, self._up.process(samples) * SCALE])
