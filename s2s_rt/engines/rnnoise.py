@@ -95,8 +95,8 @@ class Denoiser:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._lib = lib
-        self._state = lib.rnnoise_create(None)
-        if not self._state:
+        self._denoiser = lib.rnnoise_create(None)
+        if not self._denoiser:
             raise MemoryError("rnnoise_create returned no state")
         self._up = Resampler(PIPELINE_RATE, RNNOISE_RATE)
         self._down = Resampler(RNNOISE_RATE, PIPELINE_RATE)
@@ -112,7 +112,7 @@ class Denoiser:
         frames = np.ascontiguousarray(up[: n * FRAME], dtype=np.float32)
         self._waiting = up[n * FRAME :]
         out = np.empty_like(frames)
-        process, state = self._lib.rnnoise_process_frame, self._state
+        process, state = self._lib.rnnoise_process_frame, self._denoiser
         for k in range(n):
             process(state, out[k * FRAME :].ctypes.data, frames[k * FRAME :].ctypes.data)
         self._ready = np.concatenate([self._ready, self._down.process(out / SCALE)])
@@ -122,7 +122,7 @@ class Denoiser:
         return given.astype(np.float32, copy=False)
 
     def __del__(self) -> None:
-        state, self._state = getattr(self, "_state", None), None
+        state, self._denoiser = getattr(self, "_denoiser", None), None
         if state:
             self._lib.rnnoise_destroy(state)
 
