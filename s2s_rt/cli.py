@@ -70,6 +70,12 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--allowed-origin", dest="allowed_origins", action="append", help="allow browsers from this Origin; repeatable"
     )
     p.add_argument(
+        "--mcp-server",
+        dest="mcp_servers",
+        action="append",
+        help="let sessions use MCP servers under this URL prefix as type 'mcp' tools; repeatable; default: none",
+    )
+    p.add_argument(
         "--ice-server",
         dest="ice_servers",
         action="append",

@@ -187,6 +187,14 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_client_secret_s: int = 7200
     #: Let the page at ``/`` get a client secret (``POST /page/client_secret``) without a key, when keys are on.
     page_secrets: bool = False
+    #: MCP servers sessions may use as ``type: "mcp"`` tools: URL prefixes (``http://127.0.0.1:9000/mcp``); a
+    #: session's ``server_url`` must have the same scheme, host and port and a path under one. None: MCP tools
+    #: are refused (a client must not make the server reach addresses the operator did not choose).
+    mcp_servers: list[str] = []
+    #: The longest an MCP listing or call may take (connecting included); then it ends ``failed``.
+    mcp_timeout_s: float = 20.0
+    #: The most output of one MCP call kept (longer is cut), and the largest tool listing taken.
+    mcp_max_output_kib: int = 64
     #: Proxies (addresses or networks) whose ``X-Forwarded-For`` names the real client
     #: (for per-address limits and logs); other peers' header is ignored.
     trusted_proxies: list[str] = []
@@ -235,6 +243,11 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ConfigError(
                 f"max_listening_load must be above 0 (a fraction of the time), not {self.max_listening_load}"
             )
+        for prefix in self.mcp_servers:
+            if not prefix.startswith(("http://", "https://")) or "@" in prefix:
+                raise ConfigError(f"mcp_servers must be http:// or https:// URL prefixes, not {prefix!r}")
+        if not (self.mcp_timeout_s > 0 and self.mcp_max_output_kib > 0):
+            raise ConfigError("mcp_timeout_s and mcp_max_output_kib must be positive")
         if not 1 <= self.first_clause_words <= 50:
             raise ConfigError("first_clause_words must be 1..50")
         if self.llm_prefix_cache_tokens < 0 or self.llm_prefix_session_tokens < 0:

@@ -34,6 +34,7 @@ from typing import Any
 
 import pytest
 from conftest import requires
+from test_mcp_tools import McpHost
 from test_browser import CHROMIUM, Browser, Page, ServerProcess, chromium, fake_server, write_mic_wav
 from test_third_party_clients import (
     RATE,
@@ -83,10 +84,17 @@ def page_url() -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def server(page_url: str) -> Iterator[ServerProcess]:
+def mcp_host() -> Iterator[McpHost]:
+    with McpHost() as host:
+        yield host
+
+
+@pytest.fixture(scope="module")
+def server(page_url: str, mcp_host: McpHost) -> Iterator[ServerProcess]:
     """The server, allowing the page's origin (a page of another origin may use it only when allowed)."""
     origin = page_url.rsplit("/", 1)[0]
-    with fake_server("--pool-size", "2", "--api-key", KEY, "--allowed-origin", origin) as s:
+    allowed = ("--allowed-origin", origin, "--mcp-server", mcp_host.url)
+    with fake_server("--pool-size", "2", "--api-key", KEY, *allowed) as s:
         yield s
 
 
@@ -210,6 +218,40 @@ def test_a_tool_call_runs_the_agents_tool_and_its_result_comes_back_in_the_answe
     )
     tool_item = next(i for i in page.eval("s2s.history") if i.get("type") == "function_call")
     assert tool_item["status"] == "completed" and tool_item["output"] == "sunny in Paris", tool_item
+
+
+def test_a_hosted_mcp_tool_is_listed_and_called_by_the_server_and_agents_js_asks_for_the_answer(
+    browser: Browser, server: ServerProcess, page_url: str, mcp_host: McpHost
+) -> None:
+    page = browser.new_page(page_url)
+    config = {
+        "callsUrl": f"http://127.0.0.1:{server.port}/v1/realtime/calls",
+        "apiKey": mint_secret(server.port),
+        "toolName": "lookup_forecast",  # the agent's own function; the MCP server's get_weather is another tool
+        "mcp": {"serverLabel": "weather", "serverUrl": mcp_host.url},
+    }
+    page.eval(f"window.agentsConfig = {json.dumps(config)}")
+    page.click("start")
+    try:
+        page.wait_for("s2s.state !== 'connecting' && s2s.state !== 'idle'", timeout=20)
+        assert page.eval("s2s.state") == "connected", (page.eval("s2s.error"), server.log[-20:])
+        page.wait_for("s2s.mcpTools.includes('get_weather')", timeout=20)
+        page.eval("session.mute(true)")
+        page.eval("session.sendMessage('please get_weather Oslo')")
+        page.wait_for("s2s.mcpCalls.length > 0", timeout=20)
+        [call] = page.eval("s2s.mcpCalls")
+        assert call["name"] == "get_weather" and call["output"] == "Sunny and 21 degrees in Oslo", call
+        assert ("get_weather", {"city": "Oslo"}) in mcp_host.calls
+        # The SDK asked for the answer on the call's conversation.item.done, and the answer used the output.
+        answer = "You said: the result is Sunny and 21 degrees in Oslo."
+        page.wait_for(f"s2s.agentEnds.includes({json.dumps(answer)})", timeout=20)
+        assert page.eval("s2s.toolRuns") == []  # the agent's own function never ran
+        assert page.eval("s2s.errors") == [], server.log[-30:]
+    finally:
+        try:
+            page.eval("window.session && window.session.close()")
+        finally:
+            browser.close_pages()
 
 
 # --- the default stack -----------------------------------------------------------------------------

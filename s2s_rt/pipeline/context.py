@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 from s2s_rt.config import DEFAULTS, mib
 from s2s_rt.inference import OneAtATime
 from s2s_rt.listening.hearing import SessionAudio
+from s2s_rt.pipeline.mcp_runs import McpRuns
 from s2s_rt.pipeline.speculation import Speculator
 from s2s_rt.pipeline.turns import TurnState
 from s2s_rt.pipeline.work import ResponseTimings
@@ -27,6 +28,7 @@ class SessionContext:
       (:class:`~s2s_rt.listening.hearing.SessionAudio`: put by the receive path, taken by the listening clock);
     - :attr:`timings`: each response's turn timing (:class:`~s2s_rt.pipeline.work.ResponseTimings`);
     - :attr:`speculator`: the work done ahead in a turn's closing silence;
+    - :attr:`mcp`: its MCP listings and calls (:class:`~s2s_rt.pipeline.mcp_runs.McpRuns`);
     - the ending state: :attr:`ending`, moved by :meth:`stop_hearing` and the session's own end.
 
     The listening clock alone touches :attr:`turns` and :attr:`speculator`
@@ -62,6 +64,8 @@ class SessionContext:
         #: The language the user last spoke (given by the session, or detected): answers are in it.
         self.language: str | None = None
         self.speculator = speculate(self)
+        #: Its MCP servers' listings and its answers' MCP calls, in flight.
+        self.mcp = McpRuns(session)
 
     @property
     def ending(self) -> bool:

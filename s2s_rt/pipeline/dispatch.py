@@ -9,6 +9,7 @@ from s2s_rt.metrics import labels_key
 from s2s_rt.pipeline.work import BufferCommand, ResponseRequest, SettingsChanged
 from s2s_rt.protocol import client_events as ce
 from s2s_rt.protocol.errors import ProtocolError
+from s2s_rt.protocol.server_events import ItemEvent
 
 if TYPE_CHECKING:
     from s2s_rt.audio import AudioFormat
@@ -150,6 +151,12 @@ class Dispatcher:
                 # Turn detection changes reach the listener in order with the audio.
                 listener.command(ctx, SettingsChanged(scope))
                 self.read_ahead(ctx)
+                ctx.mcp.list_new(stage.outbox.emit)
+            case ce.ConversationItemCreate():
+                events = session.handle(ev)
+                await stage.outbox.emit(events, scope)
+                if events and isinstance(events[0], ItemEvent):
+                    ctx.mcp.answered(events[0].item.id, stage.outbox.emit)  # an MCP call approved runs now
             case ce.ResponseCreate():
                 events = session.handle(ev)
                 r = session.response

@@ -15,6 +15,7 @@ from s2s_rt.engines.base import Float32Array
 from s2s_rt.inference import EngineTimeout
 from s2s_rt.pipeline.anticipation import SpokenAhead
 from s2s_rt.pipeline.context import SessionContext
+from s2s_rt.pipeline.mcp_runs import mcp_call_events
 from s2s_rt.pipeline.stage import Stage, StageContext
 from s2s_rt.pipeline.work import CallOut, ResponseEnd, SessionEnd, Speak
 from s2s_rt.protocol.errors import ServerFault
@@ -65,7 +66,11 @@ class Speaker(Stage[SessionContext, Speak | CallOut | ResponseEnd]):
         session = ctx.session
         r = item.response
         if isinstance(item, CallOut):
-            await stage.outbox.emit(r.function_call(item.name, item.arguments), item.scope)
+            server = session.mcp.server_of(item.name, r.params.tools)
+            if server is None:
+                await stage.outbox.emit(r.function_call(item.name, item.arguments), item.scope)
+            else:
+                await stage.outbox.emit(mcp_call_events(r, server, item.name, item.arguments), item.scope)
         elif isinstance(item, ResponseEnd):
             r.input_tokens, r.output_tokens = item.usage.input_tokens, item.usage.output_tokens
             r.cached_tokens = item.usage.cached_tokens
@@ -75,6 +80,7 @@ class Speaker(Stage[SessionContext, Speak | CallOut | ResponseEnd]):
             self.answered(ctx)
             await stage.outbox.emit(events, item.scope)
             if events:
+                ctx.mcp.run_calls(r, stage.outbox.emit)
                 self.read_ahead(ctx)
         elif not r.audio:
             await stage.outbox.emit(r.text_delta(item.text), item.scope)

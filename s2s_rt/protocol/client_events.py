@@ -119,6 +119,13 @@ class ItemIn(Struct, kw_only=True):
     name: str | UnsetType | None = UNSET
     arguments: str | UnsetType | None = UNSET
     output: str | UnsetType | None = UNSET
+    #: MCP items (GA): ``mcp_approval_response`` answers an ``mcp_approval_request``; the others are history.
+    server_label: str | UnsetType | None = UNSET
+    tools: list[dict[str, Any]] | UnsetType | None = UNSET
+    error: dict[str, Any] | UnsetType | None = UNSET
+    approval_request_id: str | UnsetType | None = UNSET
+    approve: bool | UnsetType | None = UNSET
+    reason: str | UnsetType | None = UNSET
 
 
 class ResponseAudioOutputIn(Struct, kw_only=True):

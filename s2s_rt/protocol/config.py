@@ -17,6 +17,7 @@ from msgspec import UNSET
 from s2s_rt.audio import AudioFormat, AudioFormatError
 from s2s_rt.protocol import client_events as ce
 from s2s_rt.protocol.errors import ProtocolError
+from s2s_rt.protocol.mcp import McpTools
 from s2s_rt.protocol.server_events import Dialect
 from s2s_rt.protocol.truncation import Truncation, parse_truncation
 from s2s_rt.protocol.voices import Voices
@@ -83,8 +84,10 @@ class SessionConfig:
     truncation: Truncation = field(default_factory=Truncation)
 
 
-def apply_update(cfg: SessionConfig, ev: ce.SessionUpdate, voices: Voices) -> None:
+def apply_update(cfg: SessionConfig, ev: ce.SessionUpdate, voices: Voices, mcp: McpTools | None = None) -> None:
     """Apply a ``session.update`` in either shape to ``cfg``, all or nothing.
+
+    ``mcp``: the session's MCP servers, where it may have them (GA), checked against the operator's policy.
 
     Raises:
         ProtocolError: an unsupported format, voice, modality or value.
@@ -155,7 +158,7 @@ def apply_update(cfg: SessionConfig, ev: ce.SessionUpdate, voices: Voices) -> No
         value = getattr(patch, name)
         if value is not UNSET:
             new["max_output_tokens"] = checked(check_max_tokens, value, fail, name)
-    tools = new["tools"] = check_tools(patch.tools, fail) if isinstance(patch.tools, list) else cfg.tools
+    tools = new["tools"] = check_tools(patch.tools, fail, mcp) if isinstance(patch.tools, list) else cfg.tools
     if patch.tool_choice is not UNSET and patch.tool_choice is not None:
         check_tool_choice(patch.tool_choice, tools, fail)
         new["tool_choice"] = patch.tool_choice
@@ -199,8 +202,11 @@ def json_depth(value: Any) -> int:
     return deepest
 
 
-def check_tools(tools: list[Any], fail: Callable[[str, str, str], ProtocolError]) -> list[dict[str, Any]]:
-    """Function tools as OpenAI defines them: a name, optionally a description and a JSON-schema object.
+def check_tools(
+    tools: list[Any], fail: Callable[[str, str, str], ProtocolError], mcp: McpTools | None = None
+) -> list[dict[str, Any]]:
+    """Tools as OpenAI defines them: functions (a name, optionally a description and a JSON-schema object),
+    and MCP servers where ``mcp`` is given (``session.update``, GA).
 
     Raises:
         ProtocolError: a tool of another shape, naming which one and why.
@@ -209,8 +215,13 @@ def check_tools(tools: list[Any], fail: Callable[[str, str, str], ProtocolError]
         where = f"tools[{i}]"
         if not isinstance(tool, dict):
             raise fail("invalid_value", f"{where} must be an object", where)
+        if tool.get("type") == "mcp":
+            if mcp is None:
+                text = "MCP tools are set with a GA session.update (the server lists their tools once per session)"
+                raise fail("invalid_value", f"{where}: {text}", f"{where}.type")
+            continue  # checked below, all at once
         if tool.get("type", "function") != "function":
-            raise fail("invalid_value", f"{where}.type must be 'function'", f"{where}.type")
+            raise fail("invalid_value", f"{where}.type must be 'function' or 'mcp'", f"{where}.type")
         if not isinstance(tool.get("name"), str) or not tool["name"]:
             raise fail("invalid_value", f"{where}.name must be a non-empty string", f"{where}.name")
         if not isinstance(tool.get("description", ""), (str, type(None))):
@@ -223,6 +234,8 @@ def check_tools(tools: list[Any], fail: Callable[[str, str, str], ProtocolError]
                 f"{where}.parameters nests deeper than {MAX_SCHEMA_DEPTH} objects and arrays",
                 f"{where}.parameters",
             )
+    if mcp is not None:
+        mcp.check(tools, fail)
     return tools
 
 

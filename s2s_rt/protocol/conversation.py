@@ -292,7 +292,40 @@ class Conversation:
                 name=str(src.name),
                 arguments=src.arguments if isinstance(src.arguments, str) else "{}",
             )
+        if kind.startswith("mcp_") and not self.dialect.beta:
+            return self._mcp_item(src, item_id, kind, fail)
         raise fail(f"Unknown item type {kind!r}; use message, function_call or function_call_output", "type")
+
+    def _mcp_item(self, src: ce.ItemIn, item_id: str, kind: str, fail: Callable[[str, str], ProtocolError]) -> se.Item:
+        """An MCP item from a client: an approval's answer, or history (a call, a listing, a request)."""
+        if kind == "mcp_approval_response":
+            asked = self.items.get(src.approval_request_id) if isinstance(src.approval_request_id, str) else None
+            if asked is None or asked.type != "mcp_approval_request":
+                raise fail("approval_request_id names no mcp_approval_request item", "approval_request_id")
+            if any(i.approval_request_id == asked.id for i in self.items.values() if i.type == kind):
+                raise fail(f"mcp_approval_request {asked.id!r} was answered already", "approval_request_id")
+            if not isinstance(src.approve, bool):
+                raise fail("An mcp_approval_response needs 'approve' (true or false)", "approve")
+            item = se.Item(id=item_id, type=kind, approval_request_id=asked.id, approve=src.approve)
+            if isinstance(src.reason, str):
+                item.reason = src.reason
+            return item
+        if kind not in ("mcp_call", "mcp_list_tools", "mcp_approval_request"):
+            raise fail(f"Unknown item type {kind!r}", "type")
+        if not isinstance(src.server_label, str):
+            raise fail(f"An {kind} item needs 'server_label'", "server_label")
+        if kind == "mcp_list_tools":
+            tools = src.tools if isinstance(src.tools, list) else []
+            return se.Item(id=item_id, type=kind, server_label=src.server_label, tools=tools)
+        if not isinstance(src.name, str) or not isinstance(src.arguments, str):
+            raise fail(f"An {kind} item needs 'name' and 'arguments'", "name")
+        item = se.Item(id=item_id, type=kind, server_label=src.server_label, name=src.name, arguments=src.arguments)
+        if kind == "mcp_call":
+            item.output = src.output if isinstance(src.output, str) else None
+            item.error = src.error if isinstance(src.error, dict) else None
+            if isinstance(src.approval_request_id, str):
+                item.approval_request_id = src.approval_request_id
+        return item
 
     def user_audio(self, item_id: str) -> se.Item:
         """A user item for committed input audio, awaiting its transcript."""

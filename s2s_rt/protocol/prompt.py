@@ -43,7 +43,32 @@ def build_prompt(instructions: str, items: list[se.Item], conversation: Conversa
             answered = calls.get(item.call_id)
             answers = _call_of(answered) if answered is not None else None
             messages.append(ChatMessage("tool", item.output or "", answers=answers))
+        elif item.type in ("mcp_call", "mcp_approval_request"):
+            messages += _mcp_messages(item, items)
     return messages
+
+
+def _mcp_messages(item: se.Item, items: list[se.Item]) -> list[ChatMessage]:
+    """An MCP tool's call and what came of it, as a function call and its result; nothing while it waits."""
+    result: str | None
+    if item.type == "mcp_call":
+        error = item.error if isinstance(item.error, dict) else None
+        result = item.output if isinstance(item.output, str) else None
+        if error is not None:
+            result = f"Error: {error.get('message') or error.get('type')}"
+    else:  # a request: the model sees a refusal; an approved call is its own mcp_call item
+        answer = next(
+            (i for i in items if i.type == "mcp_approval_response" and i.approval_request_id == item.id), None
+        )
+        if answer is None or answer.approve is not False:
+            return []
+        why = f" ({answer.reason})" if isinstance(answer.reason, str) and answer.reason else ""
+        # Not worded as an error: an error's call may be made again (repeats_answered); a refusal's is not.
+        result = f"The user did not approve this call{why}. Do not call it again; answer without it."
+    if result is None:
+        return []
+    call = FunctionCall(item.name or "", item.arguments or "{}", item.id)
+    return [call_message(call), ChatMessage("tool", result, answers=call)]
 
 
 def call_message(call: FunctionCall) -> ChatMessage:

@@ -96,6 +96,8 @@ class Response:
         self.input_tokens = 0
         self.cached_tokens = 0
         self.output_tokens = 0
+        #: Its ``mcp_call`` items, to run once it is done.
+        self.mcp_calls: list[se.Item] = []
 
     # --- properties ---------------------------------------------------------
 
@@ -194,6 +196,32 @@ class Response:
         events += self._close_item(item, "completed")
         return events
 
+    def mcp_call(self, item: se.Item, approval: bool) -> list[se.ServerEvent]:
+        """The model called a tool of an MCP server: ``item`` (an ``mcp_call``, or with ``approval`` an
+        ``mcp_approval_request``) in the output, its arguments streamed, closed.
+
+        An ``mcp_call``'s ``conversation.item.done`` waits until it has run (:attr:`mcp_calls`): clients ask
+        for the next response on it.
+        """
+        if self.done:
+            return []
+        events = self._close_message("completed")
+        events += self._add_item(item)
+        output_index = len(self.outputs) - 1
+        if not approval:
+            arguments = item.arguments or "{}"
+            common = {"response_id": self.id, "item_id": item.id, "output_index": output_index}
+            self._step(Step.DELTA)
+            events.append(
+                self._ev(se.McpCallArgumentsDelta, "response.mcp_call_arguments.delta", delta=arguments, **common)
+            )
+            events.append(
+                self._ev(se.McpCallArgumentsDone, "response.mcp_call_arguments.done", arguments=arguments, **common)
+            )
+            self.mcp_calls.append(item)
+        events += self._close_item(item, None, announce=approval)
+        return events
+
     def finish(self) -> list[se.ServerEvent]:
         """Everything was produced: close what is open and end ``completed``."""
         if self.done:
@@ -256,9 +284,10 @@ class Response:
             events.append(self._ev(se.ItemEvent, "conversation.item.added", previous_item_id=prev, item=snapshot(item)))
         return events
 
-    def _close_item(self, item: se.Item, status: str) -> list[se.ServerEvent]:
+    def _close_item(self, item: se.Item, status: str | None, announce: bool = True) -> list[se.ServerEvent]:
         self._step(Step.CLOSE_ITEM)
-        item.status = status
+        if status is not None:  # MCP items have none
+            item.status = status
         self.conversation.account(item.id)
         events: list[se.ServerEvent] = [
             self._ev(
@@ -269,7 +298,7 @@ class Response:
                 item=snapshot(item),
             )
         ]
-        if self.params.in_conversation and not self.dialect.beta and item.id in self.conversation.items:
+        if announce and self.params.in_conversation and not self.dialect.beta and item.id in self.conversation.items:
             prev = self.conversation.previous(item.id)
             events.append(self._ev(se.ItemEvent, "conversation.item.done", previous_item_id=prev, item=snapshot(item)))
         return events

@@ -58,12 +58,14 @@ def settle(
     p: ce.ResponseIn,
     event_id: str | None,
     input_item: Callable[[ce.ItemIn, str | None], se.Item],
+    functions: Callable[[list[dict[str, Any]]], list[dict[str, Any]]] = lambda tools: tools,
 ) -> ResponseParams:
     """What a ``response.create`` (or a turn, with nothing given) asks for, settled against the session's config.
 
     Args:
         voices: the voices a session may ask for.
         input_item: makes an item of ``response.input`` (a new one, or one the conversation holds).
+        functions: the tools as the model sees them (the session's MCP tools replaced by the tools listed).
 
     Raises:
         ProtocolError: a bad parameter (``param`` names it under ``response.``).
@@ -104,7 +106,7 @@ def settle(
     inputs = None
     if isinstance(p.input, list):
         inputs = [input_item(i, event_id) for i in p.input]
-    tools = cfg.tools if not isinstance(p.tools, list) else check_tools(p.tools, fail)
+    tools = functions(cfg.tools if not isinstance(p.tools, list) else check_tools(p.tools, fail))
     tool_choice = cfg.tool_choice if p.tool_choice is UNSET or p.tool_choice is None else p.tool_choice
     check_tool_choice(tool_choice, tools, fail)
     return ResponseParams(

@@ -37,16 +37,25 @@ class ContentPart(Struct, kw_only=True, omit_defaults=True):
 
 
 class Item(Struct, kw_only=True, omit_defaults=True):
+    """A conversation item. MCP items (``mcp_*``) have no ``object`` or ``status``; a field left UNSET is absent."""
+
     id: str
-    object: str
     type: str
-    status: str
+    object: str | UnsetType = UNSET
+    status: str | UnsetType = UNSET
     role: str | None = None
     content: list[ContentPart] | None = None
     call_id: str | None = None
     name: str | None = None
     arguments: str | None = None
-    output: str | None = None
+    #: An ``mcp_call``'s is ``null`` until it has run (sent so: client libraries read it).
+    output: str | UnsetType | None = UNSET
+    server_label: str | UnsetType = UNSET
+    tools: list[dict[str, Any]] | UnsetType = UNSET
+    error: dict[str, Any] | UnsetType | None = UNSET
+    approval_request_id: str | UnsetType | None = UNSET
+    approve: bool | UnsetType = UNSET
+    reason: str | UnsetType | None = UNSET
 
 
 def snapshot(item: Item) -> Item:
@@ -244,6 +253,29 @@ class FunctionCallArgumentsDone(ServerEvent, omit_defaults=True):
     call_id: str
     arguments: str
     name: str | UnsetType = UNSET
+
+
+class McpListToolsEvent(ServerEvent):  # mcp_list_tools.in_progress|completed|failed
+    item_id: str
+
+
+class McpCallArgumentsDelta(ServerEvent):  # response.mcp_call_arguments.delta
+    response_id: str
+    item_id: str
+    output_index: int
+    delta: str
+
+
+class McpCallArgumentsDone(ServerEvent):  # response.mcp_call_arguments.done
+    response_id: str
+    item_id: str
+    output_index: int
+    arguments: str
+
+
+class McpCallEvent(ServerEvent):  # response.mcp_call.in_progress|completed|failed
+    item_id: str
+    output_index: int
 
 
 E = TypeVar("E", bound=ServerEvent)

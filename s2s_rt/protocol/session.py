@@ -29,6 +29,7 @@ from s2s_rt.protocol.config import (
 )
 from s2s_rt.protocol.conversation import Conversation
 from s2s_rt.protocol.errors import ProtocolError, RealtimeError
+from s2s_rt.protocol.mcp import McpPolicy, McpTools
 from s2s_rt.protocol.prompt import build_prompt
 from s2s_rt.protocol.response import Response
 from s2s_rt.protocol.response_params import ResponseParams, settle
@@ -56,11 +57,14 @@ class Session:
         transcription_only: bool = False,
         model: str | None = None,
         window: ContextWindow | None = None,
+        mcp: McpPolicy | None = None,
     ) -> None:
         self.dialect = dialect
         #: What the model reads of the conversation (``truncation``); None: the LLM keeps within its context itself.
         self.window = window
         self.voices = voices if isinstance(voices, Voices) else Voices.of(voices)
+        #: Its MCP servers and the tools they listed (``type: "mcp"`` tools; the operator's policy).
+        self.mcp = McpTools(mcp or McpPolicy())
         self.id = new_id("sess")
         self.config = SessionConfig(voice=self.voices.default)
         if model:
@@ -166,7 +170,8 @@ class Session:
         Raises:
             ProtocolError: an unsupported format, voice, modality or value.
         """
-        apply_update(self.config, ev, self.voices)
+        apply_update(self.config, ev, self.voices, None if self.dialect.beta else self.mcp)
+        self.mcp.configure(self.config.tools)
         return [self._session_event("session.updated")]
 
     def update_transcription(self, ev: ce.TranscriptionSessionUpdate) -> list[se.ServerEvent]:
@@ -366,7 +371,9 @@ class Session:
                 f"Response {self.response.id} is still in progress; cancel it or wait for response.done",
                 event_id=event_id,
             )
-        settled = settle(self.config, self.voices, params or ce.ResponseIn(), event_id, self._input_item)
+        settled = settle(
+            self.config, self.voices, params or ce.ResponseIn(), event_id, self._input_item, self.mcp.as_functions
+        )
         self.turns += 1
         self.response = r = Response(settled, self.dialect, self.conversation, Scope("response", parent=self.scope))
         return [r.created()]
@@ -428,7 +435,7 @@ class Session:
 
     def next_prompt(self) -> tuple[list[ChatMessage], ResponseParams]:
         """What the next default response would read before a new turn: the conversation so far, and its settings."""
-        params = settle(self.config, self.voices, ce.ResponseIn(), None, self._input_item)
+        params = settle(self.config, self.voices, ce.ResponseIn(), None, self._input_item, self.mcp.as_functions)
         items = [self.conversation.items[i] for i in self.conversation.order]
         with contextlib.suppress(ContextFull):  # the response itself will fail
             items = self._in_context(items, params)
@@ -483,15 +490,8 @@ class Session:
         """``input_audio_buffer.timeout_triggered`` (a GA event: beta has no such type)."""
         if self.dialect.beta:
             return []
-        return [
-            self._ev(
-                se.TimeoutTriggered,
-                "input_audio_buffer.timeout_triggered",
-                audio_start_ms=start_ms,
-                audio_end_ms=end_ms,
-                item_id=item_id,
-            )
-        ]
+        fields = {"audio_start_ms": start_ms, "audio_end_ms": end_ms, "item_id": item_id}
+        return [self._ev(se.TimeoutTriggered, "input_audio_buffer.timeout_triggered", **fields)]
 
 
 def _extends(text: str, prefix: str) -> bool:

@@ -19,6 +19,7 @@ from s2s_rt.engines.base import CountsTokens, Stack
 from s2s_rt.metrics import Metrics
 from s2s_rt.pipeline.ports import Channel, close_quickly
 from s2s_rt.protocol.errors import ProtocolError, ServerFault
+from s2s_rt.protocol.mcp import McpPolicy
 from s2s_rt.protocol.server_events import BETA, GA, Dialect, encode_event
 from s2s_rt.protocol.session import Session
 from s2s_rt.protocol.truncation import ContextWindow
@@ -147,6 +148,9 @@ class Connections:
             transcription_only=transcription,
             model=model,
             window=ContextWindow(llm.context_tokens, llm.message_tokens) if isinstance(llm, CountsTokens) else None,
+            mcp=McpPolicy(
+                tuple(self.config.mcp_servers), self.config.mcp_timeout_s, self.config.mcp_max_output_kib << 10
+            ),
         )
 
     async def _serve_connection(self, ws: ServerConnection, host: str) -> None:

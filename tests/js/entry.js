@@ -4,6 +4,7 @@
 // window.agentsConfig, clicks #start (a user gesture, so the answer may play), and reads what happened from
 // window.s2s over the DevTools protocol. The transport is the SDK's WebRTC one, its baseUrl our server's
 // POST /v1/realtime/calls; the microphone is Chromium's fake one.
+import { hostedMcpTool } from '@openai/agents-core'; // agents-realtime's own dependency (the lock file pins it)
 import { OpenAIRealtimeWebRTC, RealtimeAgent, RealtimeSession, tool } from '@openai/agents-realtime';
 import { z } from 'zod';
 
@@ -19,6 +20,8 @@ const s2s = {
   audioStopped: 0, // audio_stopped events (the SDK's response.output_audio.done)
   agentEnds: [], // agent_end: the text of each finished response
   history: [], // the session's history (history_updated)
+  mcpTools: [], // mcp_tools_changed: the names of the hosted MCP tools the SDK knows
+  mcpCalls: [], // mcp_tool_call_completed: the calls, with their output
   callId: null,
 };
 window.s2s = s2s; // also what test_browser's Page.goto waits for on an http:// page
@@ -63,7 +66,9 @@ async function start() {
   });
   // instructions: null leaves them to the SDK (an agent without any, as its users may write it).
   const instructions = config.instructions === null ? {} : { instructions: config.instructions ?? 'Answer briefly.' };
-  const agent = new RealtimeAgent({ name: 'Assistant', ...instructions, tools: [getWeather] });
+  // config.mcp: a hosted MCP server ({serverLabel, serverUrl}), which the server lists and calls itself.
+  const hosted = config.mcp ? [hostedMcpTool({ ...config.mcp, requireApproval: 'never' })] : [];
+  const agent = new RealtimeAgent({ name: 'Assistant', ...instructions, tools: [getWeather, ...hosted] });
   const transport = new OpenAIRealtimeWebRTC({ baseUrl: config.callsUrl });
   const session = new RealtimeSession(agent, { transport });
   window.session = session;
@@ -74,6 +79,10 @@ async function start() {
   session.on('audio_stopped', () => {
     s2s.audioStopped += 1;
   });
+  session.on('mcp_tools_changed', (tools) => {
+    s2s.mcpTools = tools.map((t) => t.name);
+  });
+  session.on('mcp_tool_call_completed', (_context, _agent, call) => s2s.mcpCalls.push(plain(call)));
   session.on('agent_end', (_context, _agent, text) => s2s.agentEnds.push(text));
   session.on('history_updated', (history) => {
     s2s.history = plain(history);
