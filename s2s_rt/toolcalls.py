@@ -248,7 +248,10 @@ def offered_tools(tools: list[dict[str, Any]], tool_choice: Any) -> tuple[list[d
         return [], False
     if isinstance(tool_choice, dict):
         name = tool_choice.get("name") or (tool_choice.get("function") or {}).get("name")
-        return [t for t in tools if t.get("name") == name], True
+        if tool_choice.get("type") == "mcp" and not name:
+            return tools, True  # any tool (the server's tools are not told apart from the others here)
+        chosen = [t for t in tools if t.get("name") == name]
+        return chosen, bool(chosen)
     return tools, tool_choice == "required"
 
 

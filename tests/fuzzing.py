@@ -64,6 +64,7 @@ from typing import Any
 
 import numpy as np
 from conformance import validate_server_event
+from mcp_host import McpHost
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake
 
@@ -91,6 +92,7 @@ AVOIDABLE = frozenset(
         "abort",  # connections dropped without a closing handshake
         "engine_faults",  # injected engine failures
         "long_prompts",  # instructions of thousands of characters
+        "mcp",  # MCP tools (a real MCP server on loopback, a dead one, refused ones) and approval answers
     }
 )
 #: The shape of an id the server makes (``new_id``): no two sessions can hold the same one.
@@ -98,6 +100,9 @@ SERVER_ID = re.compile(r"^[a-z]+_[0-9a-f]{20}$")
 #: Close codes a hostile session may get: normal, going away, no status, abnormal (an abort),
 #: policy (not reading, flooding), too big, try again later (full, backlog).
 ACCEPTED_CLOSE_CODES = frozenset({1000, 1001, 1005, 1006, 1008, 1009, 1013})
+
+#: An MCP server URL the fuzzed server allows, where nothing listens (port 9, discard: closed on loopback).
+DEAD_MCP_URL = "http://127.0.0.1:9/mcp"
 
 CORPUS = sorted((Path(__file__).parent / "fuzz_corpus").glob("*.json"))
 
@@ -384,6 +389,7 @@ class Session:
         self.response_log: dict[str, list[str]] = {}  # the events of each response not yet done
         self.items: list[str] = []  # every item id the server announced, in order
         self.speech_ids: list[str] = []  # item ids announced by speech_started
+        self.approvals: list[str] = []  # mcp_approval_request items the server made
         self.responses: list[str] = []
         self.created: set[str] = set()
         self.done: set[str] = set()
@@ -502,6 +508,8 @@ class Session:
                     self.find(f"{t} names item {iid} of session {owner}")
         if t == "input_audio_buffer.speech_started" and isinstance(event.get("item_id"), str):
             self.speech_ids.append(event["item_id"])
+        if isinstance(item, dict) and item.get("type") == "mcp_approval_request" and t == "conversation.item.done":
+            self.approvals.append(str(item.get("id")))
         if t == "error":
             run.report.stats[f"error {(event.get('error') or {}).get('code')}"] += 1
             if self.calm:
@@ -635,10 +643,50 @@ def speech_like(fmt: AudioFormat, freq: float, seconds: float, silence_s: float)
 class Hostile:
     """The random actions of one hostile session, all drawn from its own seeded generator."""
 
-    def __init__(self, rng: random.Random, avoid: frozenset[str], speech: bytes | None) -> None:
+    def __init__(
+        self, rng: random.Random, avoid: frozenset[str], speech: bytes | None, mcp_urls: tuple[str, ...] = ()
+    ) -> None:
         self.rng = rng
         self.avoid = avoid
         self.speech = speech  # 24 kHz PCM16 that the stack's VAD hears as speech, when tones are not
+        self.mcp_urls = mcp_urls  # the MCP servers the operator allowed: a live one, a dead one
+
+    async def mcp(self, s: Session, eid: dict[str, str]) -> None:
+        """MCP tools set alone (so that they are taken), then often a question naming one of the server's tools."""
+        rng = self.rng
+        tools = [self.mcp_tool() for _ in range(rng.choice([1, 1, 2]))] + rng.choice([[], [TOOL]])
+        session = {"type": "realtime", "tools": tools, "tool_choice": rng.choice(["auto", "required"])}
+        await s.send({"type": "session.update", "session": session} | eid)
+        if rng.random() < 0.6:
+            await asyncio.sleep(rng.choice([0.0, 0.3, 0.6]))  # often after the listing, so that the model sees them
+            name = rng.choice(["get_weather", "get_weather", "slow_search", "book_table", "long_story", "lookup"])
+            words = {"type": "input_text", "text": f"{name} {self.words()}"}
+            await s.send(
+                {"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [words]}}
+            )
+            await s.send({"type": "response.create"})
+
+    def mcp_tool(self) -> dict[str, Any]:
+        """A ``type: "mcp"`` tool: allowed (live or dead), refused, or malformed; every address on loopback."""
+        rng = self.rng
+        if self.mcp_urls and rng.random() < 0.5:  # one that works: listed, and called when the model names it
+            approval = rng.choice(["never", "never", "always"])
+            return {
+                "type": "mcp",
+                "server_label": "weather",
+                "server_url": self.mcp_urls[0],
+                "require_approval": approval,
+            }
+        urls = [*self.mcp_urls, "http://127.0.0.1:9/other", "http://127.0.0.1:1@10.0.0.1/mcp", "file:///etc/passwd"]
+        tool: dict[str, Any] = {"type": "mcp", "server_label": rng.choice(["weather", "w2", "", None])}
+        tool["server_url"] = rng.choice([*urls, *self.mcp_urls, None, 7])
+        if rng.random() < 0.5:
+            tool["require_approval"] = rng.choice(["never", "always", {"never": {"tool_names": ["lookup"]}}, "maybe"])
+        if rng.random() < 0.3:
+            tool["allowed_tools"] = rng.choice([["lookup", "get_weather"], {"tool_names": ["get_weather"]}, "all"])
+        if rng.random() < 0.3:
+            tool["headers"] = rng.choice([{"X-A": "b"}, {"X-A": "b\r\nX-B: c"}, {"": "x"}, ["x"]])
+        return tool
 
     # ids
 
@@ -764,6 +812,9 @@ class Hostile:
         if rng.random() < 0.1:
             session["tools"] = [TOOL]
             session["tool_choice"] = rng.choice(["auto", "required", "none"])
+        if not beta_shape and "mcp" not in self.avoid and rng.random() < 0.2:
+            session["tools"] = [self.mcp_tool() for _ in range(rng.choice([1, 1, 2]))] + rng.choice([[], [TOOL]])
+            session["tool_choice"] = rng.choice(["auto", "required"])
         if rng.random() < 0.15:
             session["truncation"] = rng.choice(
                 [
@@ -791,7 +842,8 @@ class Hostile:
 
     def item(self, s: Session) -> dict[str, Any]:
         rng = self.rng
-        kind = rng.choice(["user", "user", "user", "assistant", "system", "audio", "call", "output", "image", "bogus"])
+        kinds = ["user", "user", "user", "assistant", "system", "audio", "call", "output", "image", "bogus"]
+        kind = rng.choice(kinds if "mcp" in self.avoid else [*kinds, "approval"])
         item: dict[str, Any]
         if kind == "user":
             item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": self.words()}]}
@@ -819,6 +871,15 @@ class Hostile:
             }
         elif kind == "output":
             item = {"type": "function_call_output", "call_id": f"call_{rng.randrange(4)}", "output": self.words()}
+        elif kind == "approval":
+            asked = rng.choice([*s.approvals[-3:], self.some_item_id(s)]) if s.approvals else self.some_item_id(s)
+            item = {
+                "type": "mcp_approval_response",
+                "approval_request_id": asked,
+                "approve": rng.choice([1, 0, 0, "y"]) == 1,
+            }
+            if rng.random() < 0.2:
+                item["approve"] = rng.choice(["yes", None])
         else:
             item = rng.choice(
                 [{"type": "nonsense"}, {"type": "message", "role": "robot", "content": []}, {"type": "message"}, {}]
@@ -940,6 +1001,8 @@ class Hostile:
             "close": 1,
             "abort": 1,
         }
+        if self.mcp_urls:
+            actions["mcp"] = 3
         if "transcription_switch" in self.avoid:
             actions.pop("transcription_session.update")
         for avoided in ("stop_reading", "abort"):
@@ -958,6 +1021,8 @@ class Hostile:
             await s.send({"type": "output_audio_buffer.clear"} | eid)  # a call's event: refused over a WebSocket
         elif action == "session.update":
             await s.send(self.session_update(s) | eid)
+        elif action == "mcp":
+            await self.mcp(s, eid)
         elif action == "transcription_session.update":
             await s.send(self.transcription_session_update(s) | eid)
         elif action == "item.create":
@@ -1025,6 +1090,8 @@ class Run:
         self.headers: dict[str, str] = {}
         #: The loopback address each session connects from (by label), for per-address limits; default 127.0.0.1.
         self.sources: dict[str, str] = {}
+        #: MCP servers the server allows: a live one and a dead one (none where ``mcp`` is avoided).
+        self.mcp_urls: tuple[str, ...] = ()
 
     def over(self) -> bool:
         return time.monotonic() >= self.deadline
@@ -1071,7 +1138,7 @@ def _transcript(done: dict[str, Any]) -> str:
 async def hostile_worker(run: Run, index: int, seed: int, speech: bytes | None) -> None:
     """Hostile sessions one after another until the run is over."""
     rng = random.Random(f"{seed}:hostile{index}")
-    actor = Hostile(rng, run.avoid, speech)
+    actor = Hostile(rng, run.avoid, speech, run.mcp_urls)
     generation = 0
     while not run.over():
         generation += 1
@@ -1309,24 +1376,33 @@ async def fuzz(
     errors = ErrorLog()
     logger = logging.getLogger("s2s_rt")
     logger.addHandler(errors)
+    mcp: contextlib.AbstractContextManager[McpHost | None] = (
+        contextlib.nullcontext(None) if "mcp" in avoid else McpHost()
+    )
     try:
-        async with Server(Config(**settings), stack=engines) as server:
-            pcm = speech(server) if speech is not None else speech_like(AudioFormat(), 440, 0.6, 0.9)
-            if stack != "fake":
-                await _warm_up(server)
-            rss_before = _rss_mb()  # the models are loaded by now
-            run = Run(server, report, time.monotonic() + seconds, avoid=avoid)
-            tasks = [
-                *(hostile_worker(run, i, seed, pcm if stack != "fake" else None) for i in range(hostile)),
-                *(calm_worker(run, i, seed, pcm, fake=stack == "fake") for i in range(calm)),
-            ]
-            await asyncio.gather(*tasks)
-            if run.live:
-                run.find(None, f"sessions still open after the workers ended: {[s.label for s in run.live]}")
-            await _after_checks(run, server, pool_size, pcm, stack == "fake")
-            report.rss_growth_mb = _rss_mb() - rss_before
-            if report.rss_growth_mb > RSS_GROWTH_MB:
-                run.find(None, f"RSS grew by {report.rss_growth_mb:.0f} MB (more than {RSS_GROWTH_MB:.0f})")
+        with mcp as host:
+            if host is not None:
+                # A live MCP server and a dead port, both allowed; the generator adds refused and malformed ones.
+                settings |= {"mcp_servers": [host.url, DEAD_MCP_URL], "mcp_timeout_s": 2.0}
+            async with Server(Config(**settings), stack=engines) as server:
+                pcm = speech(server) if speech is not None else speech_like(AudioFormat(), 440, 0.6, 0.9)
+                if stack != "fake":
+                    await _warm_up(server)
+                rss_before = _rss_mb()  # the models are loaded by now
+                run = Run(server, report, time.monotonic() + seconds, avoid=avoid)
+                if host is not None:
+                    run.mcp_urls = (host.url, DEAD_MCP_URL)
+                tasks = [
+                    *(hostile_worker(run, i, seed, pcm if stack != "fake" else None) for i in range(hostile)),
+                    *(calm_worker(run, i, seed, pcm, fake=stack == "fake") for i in range(calm)),
+                ]
+                await asyncio.gather(*tasks)
+                if run.live:
+                    run.find(None, f"sessions still open after the workers ended: {[s.label for s in run.live]}")
+                await _after_checks(run, server, pool_size, pcm, stack == "fake")
+                report.rss_growth_mb = _rss_mb() - rss_before
+                if report.rss_growth_mb > RSS_GROWTH_MB:
+                    run.find(None, f"RSS grew by {report.rss_growth_mb:.0f} MB (more than {RSS_GROWTH_MB:.0f})")
     except Exception as exc:  # the server itself failed (its close re-raises what ended its main task)
         report.findings.append(Finding("server", f"the server failed: {_last_frames(exc)}"))
     finally:

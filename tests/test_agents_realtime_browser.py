@@ -34,7 +34,7 @@ from typing import Any
 
 import pytest
 from conftest import requires
-from test_mcp_tools import McpHost
+from mcp_host import McpHost
 from test_browser import CHROMIUM, Browser, Page, ServerProcess, chromium, fake_server, write_mic_wav
 from test_third_party_clients import (
     RATE,

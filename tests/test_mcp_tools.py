@@ -11,76 +11,15 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from conftest import RealtimeClient, live_server, run, sdk_client
+from mcp_host import McpHost
 
 from s2s_rt.protocol.mcp import McpPolicy
-
-pytest.importorskip("mcp")
-
-
-class McpHost:
-    """A real MCP server (streamable HTTP at ``/mcp``) in a thread, recording the calls and headers it got."""
-
-    def __init__(self) -> None:
-        import uvicorn
-        from mcp.server.mcpserver import MCPServer
-
-        self.calls: list[tuple[str, dict[str, Any]]] = []
-        self.headers: list[dict[str, str]] = []
-        mcp = MCPServer("weather", log_level="WARNING")
-
-        @mcp.tool(description="The weather now in a city")
-        def get_weather(city: str) -> str:
-            self.calls.append(("get_weather", {"city": city}))
-            return f"Sunny and 21 degrees in {city}"
-
-        @mcp.tool(description="Books a table")
-        def book_table(name: str) -> str:
-            self.calls.append(("book_table", {"name": name}))
-            raise ValueError("the restaurant is closed")
-
-        @mcp.tool(description="Takes its time")
-        async def slow_search(query: str) -> str:
-            self.calls.append(("slow_search", {"query": query}))
-            await asyncio.sleep(30)
-            return "too late"
-
-        @mcp.tool(description="Says a lot")
-        def long_story(topic: str) -> str:
-            return topic * 100_000
-
-        app = mcp.streamable_http_app(streamable_http_path="/mcp")
-
-        async def recording(scope: Any, receive: Any, send: Any) -> None:
-            if scope["type"] == "http":
-                self.headers.append({k.decode(): v.decode() for k, v in scope["headers"]})
-            await app(scope, receive, send)
-
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}/mcp"
-        self.server = uvicorn.Server(uvicorn.Config(recording, log_level="warning", lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    def __enter__(self) -> McpHost:
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started:
-            assert time.monotonic() < deadline, "the MCP server did not start"
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-        self.sock.close()
 
 
 @pytest.fixture(scope="module")
@@ -285,7 +224,11 @@ def test_the_official_sdk_reads_the_mcp_events_as_its_own_types(host: McpHost) -
                     if isinstance(event, McpListToolsCompleted):
                         break
                 await conn.conversation.item.create(
-                    item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": "get_weather Oslo"}]}
+                    item={
+                        "type": "message",
+                        "role": "user",
+                        "content": [{"type": "input_text", "text": "get_weather Oslo"}],
+                    }
                 )
                 await conn.response.create()
                 async for event in conn:
@@ -310,3 +253,25 @@ def test_policy_compares_urls_parsed_not_as_text() -> None:
         "http://127.0.0.1.evil.example:9000/mcp",
     ):
         assert not policy.allows(url), url
+
+
+def test_a_required_tool_choice_with_an_mcp_server_not_listed_yet_answers_in_words(host: McpHost) -> None:
+    # Found by the fuzzer: the model's tools were empty until the listing came, and the turn's response
+    # failed the check that 'required' needs a tool, which ended the session (1011).
+    async def scenario() -> None:
+        dead = socket.socket()
+        dead.bind(("127.0.0.1", 0))
+        dead_url = f"http://127.0.0.1:{dead.getsockname()[1]}/mcp"
+        dead.close()
+        async with live_server(mcp_servers=[dead_url]) as server, RealtimeClient.connect(server) as c:
+            gone = {"type": "mcp", "server_label": "gone", "server_url": dead_url}
+            await c.send("session.update", session={"tools": [gone], "tool_choice": "required"})
+            await c.until("session.updated")
+            done = await c.say_text("hello there")
+            assert done["response"]["status"] == "completed"
+            if not c.of_type("mcp_list_tools.failed"):
+                await c.until("mcp_list_tools.failed", timeout=20)
+            done = await c.say_text("hello again")
+            assert done["response"]["status"] == "completed"
+
+    run(scenario())

@@ -251,7 +251,16 @@ def check_tool_choice(choice: Any, tools: list[dict[str, Any]], fail: Callable[[
         if not isinstance(name, str) or name not in names:
             raise fail("invalid_value", f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
         return
-    raise fail("invalid_value", "tool_choice must be auto, none, required or {type: function, name}", "tool_choice")
+    if isinstance(choice, dict) and choice.get("type") == "mcp":
+        labels = {t.get("server_label") for t in tools if t.get("type") == "mcp"}
+        if choice.get("server_label") not in labels:
+            raise fail("invalid_value", "tool_choice names an MCP server that is not among the tools", "tool_choice")
+        return
+    raise fail(
+        "invalid_value",
+        "tool_choice must be auto, none, required, {type: function, name} or {type: mcp, ...}",
+        "tool_choice",
+    )
 
 
 #: The model names the beta session type allows (the first stands for ours when the client asked for none of them).

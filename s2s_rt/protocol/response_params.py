@@ -106,9 +106,12 @@ def settle(
     inputs = None
     if isinstance(p.input, list):
         inputs = [input_item(i, event_id) for i in p.input]
-    tools = functions(cfg.tools if not isinstance(p.tools, list) else check_tools(p.tools, fail))
+    given = cfg.tools if not isinstance(p.tools, list) else check_tools(p.tools, fail)
+    tools = functions(given)
     tool_choice = cfg.tool_choice if p.tool_choice is UNSET or p.tool_choice is None else p.tool_choice
-    check_tool_choice(tool_choice, tools, fail)
+    # Against the tools as given too: an MCP server's entry counts before its tools are listed (a turn's
+    # response must not fail on tools that are still on their way).
+    check_tool_choice(tool_choice, [*given, *tools], fail)
     return ResponseParams(
         in_conversation=conversation == "auto",
         modalities=modalities,
