@@ -74,7 +74,9 @@ class McpRuns:
             return
         item = call_item(str(request.server_label), request.name or "", request.arguments or "{}", request.id)
         prev = conversation.insert(item, None, None)
-        added = [self._ev(se.ItemEvent, "conversation.item.added", previous_item_id=prev, item=snapshot(item))]
+        added: list[se.ServerEvent] = [
+            self._ev(se.ItemEvent, "conversation.item.added", previous_item_id=prev, item=snapshot(item))
+        ]
         self.session.scope.spawn(self._call(item, 0, emit, added), f"mcp call {item.name}")
 
     def _ev(self, cls: type[se.E], name: str, **fields: object) -> se.E:
