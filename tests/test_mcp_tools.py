@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import socket
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import RealtimeClient, live_server, run, sdk_client
+from conftest import RealtimeClient, live_server, requires, run, sdk_client
 from mcp_host import McpHost
 
 from s2s_rt.protocol.mcp import McpPolicy
@@ -273,5 +275,36 @@ def test_a_required_tool_choice_with_an_mcp_server_not_listed_yet_answers_in_wor
                 await c.until("mcp_list_tools.failed", timeout=20)
             done = await c.say_text("hello again")
             assert done["response"]["status"] == "completed"
+
+    run(scenario())
+
+
+JS = Path(__file__).resolve().parent / "js"
+
+
+@requires(
+    shutil.which("node") is not None and (JS / "node_modules" / "@openai" / "agents-realtime").is_dir(),
+    "node or tests/js/node_modules is missing: run `make agents-js` (Node, npm)",
+)
+def test_agents_realtime_in_node_lists_and_calls_a_hosted_mcp_tool_and_asks_for_the_answer(host: McpHost) -> None:
+    async def scenario() -> None:
+        async with live_server(mcp_servers=[host.url]) as server:
+            node = await asyncio.create_subprocess_exec(
+                "node",
+                str(JS / "mcp_node.mjs"),
+                f"ws://127.0.0.1:{server.port}/v1/realtime?model=s2s-rt",
+                host.url,
+                cwd=JS,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+            )
+            out, err = await asyncio.wait_for(node.communicate(), 90)
+        assert node.returncode == 0, err.decode()[-2000:]
+        got = json.loads(out.decode().strip().splitlines()[-1])
+        assert "get_weather" in got["tools"], got
+        assert got["calls"] == [{"name": "get_weather", "output": "Sunny and 21 degrees in Oslo"}], got
+        # The SDK asked for the answer itself on the call's conversation.item.done, and the answer used the output.
+        assert any("Sunny and 21 degrees in Oslo" in a for a in got["answers"]), got
+        assert got["errors"] == [], got
 
     run(scenario())
