@@ -119,22 +119,20 @@ def mint_secret(port: int) -> str:
     return value
 
 
-@pytest.fixture
-def session(browser: Browser, server: ServerProcess, page_url: str) -> Iterator[Page]:
-    """A page whose RealtimeSession is connected to the server over WebRTC."""
+@contextmanager
+def connected_page(browser: Browser, server: ServerProcess, page_url: str, **config: Any) -> Iterator[Page]:
+    """A page whose RealtimeSession (``config`` added to the page's) is connected over WebRTC; closed after."""
     page = browser.new_page(page_url)
-    config = {"callsUrl": f"http://127.0.0.1:{server.port}/v1/realtime/calls", "apiKey": mint_secret(server.port)}
+    config = {
+        "callsUrl": f"http://127.0.0.1:{server.port}/v1/realtime/calls",
+        "apiKey": mint_secret(server.port),
+    } | config
     page.eval(f"window.agentsConfig = {json.dumps(config)}")
     page.click("start")
     try:
         page.wait_for("s2s.state !== 'connecting' && s2s.state !== 'idle'", timeout=20)
         assert page.eval("s2s.state") == "connected", (page.eval("s2s.error"), server.log[-20:])
         assert re.fullmatch(r"rtc_[A-Za-z0-9_-]+", page.eval("s2s.callId") or ""), page.eval("s2s.callId")
-        # connect() resolved on the server's session.updated (not on the SDK's 5 s fallback), tools and all.
-        update = page.eval("s2s.sent.find((e) => e.type === 'session.update' && e.session.tools)")
-        assert [t["name"] for t in update["session"]["tools"]] == ["get_weather"]
-        updated = page.eval("s2s.transportEvents.filter((e) => e.type === 'session.updated').map((e) => e.session)")
-        assert any([t["name"] for t in s.get("tools", [])] == ["get_weather"] for s in updated), updated
         yield page
         assert page.eval("s2s.errors") == [], server.log[-30:]
     finally:
@@ -142,6 +140,18 @@ def session(browser: Browser, server: ServerProcess, page_url: str) -> Iterator[
             page.eval("window.session && window.session.close()")
         finally:
             browser.close_pages()
+
+
+@pytest.fixture
+def session(browser: Browser, server: ServerProcess, page_url: str) -> Iterator[Page]:
+    """A page whose RealtimeSession is connected to the server over WebRTC."""
+    with connected_page(browser, server, page_url) as page:
+        # connect() resolved on the server's session.updated (not on the SDK's 5 s fallback), tools and all.
+        update = page.eval("s2s.sent.find((e) => e.type === 'session.update' && e.session.tools)")
+        assert [t["name"] for t in update["session"]["tools"]] == ["get_weather"]
+        updated = page.eval("s2s.transportEvents.filter((e) => e.type === 'session.updated').map((e) => e.session)")
+        assert any([t["name"] for t in s.get("tools", [])] == ["get_weather"] for s in updated), updated
+        yield page
 
 
 def events(page: Page, kind: str) -> list[dict[str, Any]]:
@@ -223,18 +233,9 @@ def test_a_tool_call_runs_the_agents_tool_and_its_result_comes_back_in_the_answe
 def test_a_hosted_mcp_tool_is_listed_and_called_by_the_server_and_agents_js_asks_for_the_answer(
     browser: Browser, server: ServerProcess, page_url: str, mcp_host: McpHost
 ) -> None:
-    page = browser.new_page(page_url)
-    config = {
-        "callsUrl": f"http://127.0.0.1:{server.port}/v1/realtime/calls",
-        "apiKey": mint_secret(server.port),
-        "toolName": "lookup_forecast",  # the agent's own function; the MCP server's get_weather is another tool
-        "mcp": {"serverLabel": "weather", "serverUrl": mcp_host.url},
-    }
-    page.eval(f"window.agentsConfig = {json.dumps(config)}")
-    page.click("start")
-    try:
-        page.wait_for("s2s.state !== 'connecting' && s2s.state !== 'idle'", timeout=20)
-        assert page.eval("s2s.state") == "connected", (page.eval("s2s.error"), server.log[-20:])
+    hosted = {"serverLabel": "weather", "serverUrl": mcp_host.url}
+    # The agent's own function is renamed: the MCP server's get_weather is another tool.
+    with connected_page(browser, server, page_url, toolName="lookup_forecast", mcp=hosted) as page:
         page.wait_for("s2s.mcpTools.includes('get_weather')", timeout=20)
         page.eval("session.mute(true)")
         page.eval("session.sendMessage('please get_weather Oslo')")
@@ -246,12 +247,6 @@ def test_a_hosted_mcp_tool_is_listed_and_called_by_the_server_and_agents_js_asks
         answer = "You said: the result is Sunny and 21 degrees in Oslo."
         page.wait_for(f"s2s.agentEnds.includes({json.dumps(answer)})", timeout=20)
         assert page.eval("s2s.toolRuns") == []  # the agent's own function never ran
-        assert page.eval("s2s.errors") == [], server.log[-30:]
-    finally:
-        try:
-            page.eval("window.session && window.session.close()")
-        finally:
-            browser.close_pages()
 
 
 # --- the default stack -----------------------------------------------------------------------------
