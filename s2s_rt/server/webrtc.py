@@ -22,19 +22,16 @@ back, as when a WebSocket closes. (Past aiortc's and aioice's public API: :mod:`
 from __future__ import annotations
 
 import asyncio
-import collections
 import fractions
 import logging
 import os
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import aioice.ice
 import numpy as np
-import numpy.typing as npt
 from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCSessionDescription
 from aiortc.jitterbuffer import JitterBuffer
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
@@ -44,6 +41,7 @@ from websockets.exceptions import ConnectionClosed
 from s2s_rt.audio import AudioFormat, resample
 from s2s_rt.pipeline.ports import EventTooLarge
 from s2s_rt.server import internals
+from s2s_rt.server.playout import Playout
 
 log = logging.getLogger(__name__)
 
@@ -73,85 +71,17 @@ class CallClosed(ConnectionClosed):
         return "the call ended"
 
 
-@dataclass(slots=True)
-class _Chunk:
-    response_id: str
-    item_id: str
-    samples: npt.NDArray[np.int16]
-    at: int = 0
-
-
-class Playback(MediaStreamTrack):
-    """A call's outgoing audio: what the session's answers say, played in real time, and what was heard.
-
-    ``notify(kind, response_id)`` is told ``started`` when a response's
-    audio begins to play and ``stopped`` when all of it has played; it runs
-    on the event loop, from the track's own pacing.
-    """
+class Playback(Playout, MediaStreamTrack):
+    """A call's outgoing track: what the session's answers say (:class:`~s2s_rt.server.playout.Playout`), paced in
+    real time as aiortc asks for each 20 ms frame."""
 
     kind = "audio"
-    #: The audio is played here, on the call's track (:class:`~s2s_rt.pipeline.ports.Playback`).
-    takes_audio = True
 
     def __init__(self) -> None:
-        super().__init__()
-        self._queue: collections.deque[_Chunk] = collections.deque()
+        MediaStreamTrack.__init__(self)
+        Playout.__init__(self, PLAY_RATE, FRAME_SAMPLES, HEARD_DELAY_MS)
         self._start: float | None = None
         self._pts = 0
-        #: The response whose audio is playing (between ``started`` and ``stopped``/``cleared``).
-        self.playing: str | None = None
-        #: The item whose audio is playing (while :attr:`playing` is set), and how many ms of it have played.
-        self.item_id: str | None = None
-        self.played_ms = 0.0
-        #: Responses whose audio has all been queued (it has ``stopped`` once it has all played).
-        self._finished: set[str] = set()
-        #: Responses whose remaining audio was cleared: anything of theirs that still comes is dropped.
-        self._cleared: set[str] = set()
-        self.notify: Callable[[str, str], None] = lambda kind, response_id: None
-
-    def play(self, response_id: str, item_id: str, data: bytes, fmt: AudioFormat) -> None:
-        """Queue one audio delta of a response, in the session's output format."""
-        if response_id in self._cleared or not data:
-            return
-        if fmt.type == "audio/pcm" and fmt.rate == PLAY_RATE:
-            samples = np.frombuffer(data, dtype="<i2").copy()
-        else:
-            floats = resample(fmt.decode(data), fmt.rate, PLAY_RATE)
-            samples = np.clip(np.round(floats * 32767.0), -32768, 32767).astype(np.int16)
-        self._queue.append(_Chunk(response_id, item_id, samples))
-
-    def finish(self, response_id: str) -> None:
-        """A response's audio is all queued."""
-        self._finished.add(response_id)
-        if self.playing is None and not any(c.response_id == response_id for c in self._queue):
-            self._finished.discard(response_id)
-
-    @property
-    def queued_ms(self) -> float:
-        return 1000 * sum(len(c.samples) - c.at for c in self._queue) / PLAY_RATE
-
-    def clear(self) -> tuple[str | None, str | None, float]:
-        """Drop the audio not yet played.
-
-        Returns:
-            The response whose audio was playing (None: none had begun), the item whose audio was cut
-            (None: nothing was waiting either) and how many ms of it were heard (played, less
-            :data:`HEARD_DELAY_MS` still on its way; 0 for audio that had not begun).
-        """
-        playing = self.playing
-        if playing is not None:
-            item = self.item_id
-        else:
-            item = self._queue[0].item_id if self._queue else None
-        for chunk in self._queue:
-            self._cleared.add(chunk.response_id)
-        if playing is not None:
-            self._cleared.add(playing)
-        self._queue.clear()
-        self.playing = None
-        self.item_id = None
-        played = self.played_ms if playing is not None else 0.0
-        return playing, item, max(0.0, played - HEARD_DELAY_MS)
 
     async def recv(self) -> AudioFrame:
         if self.readyState != "live":
@@ -166,38 +96,13 @@ class Playback(MediaStreamTrack):
             elif wait < -0.2:
                 # The loop fell behind (a stall): start counting again rather than send a burst.
                 self._start, self._pts = time.monotonic(), 0
-        out = np.zeros(FRAME_SAMPLES, dtype=np.int16)
-        filled = 0
-        queue = self._queue
-        while filled < FRAME_SAMPLES and queue:
-            chunk = queue[0]
-            n = min(FRAME_SAMPLES - filled, len(chunk.samples) - chunk.at)
-            out[filled : filled + n] = chunk.samples[chunk.at : chunk.at + n]
-            chunk.at += n
-            filled += n
-            if self.playing != chunk.response_id:
-                if self.playing is not None:
-                    self._stopped(self.playing)
-                self.playing = chunk.response_id
-                self.notify("started", chunk.response_id)
-            if self.item_id != chunk.item_id:
-                self.item_id, self.played_ms = chunk.item_id, 0.0
-            self.played_ms += 1000 * n / PLAY_RATE
-            if chunk.at >= len(chunk.samples):
-                queue.popleft()
-        if self.playing is not None and not queue and self.playing in self._finished:
-            self._stopped(self.playing)
+        out = self.next_frame()
         # Both channels the same: a mono frame, upmixed by the encoder's resampler, comes out 3 dB quieter.
         frame = AudioFrame.from_ndarray(np.repeat(out, 2).reshape(1, -1), format="s16", layout="stereo")
         frame.sample_rate = PLAY_RATE
         frame.pts = self._pts
         frame.time_base = fractions.Fraction(1, PLAY_RATE)
         return frame
-
-    def _stopped(self, response_id: str) -> None:
-        self._finished.discard(response_id)
-        self.playing = None
-        self.notify("stopped", response_id)
 
 
 class Call:

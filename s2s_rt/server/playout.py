@@ -1,0 +1,142 @@
+"""What a call plays, frame by frame, and what of it was heard: a WebRTC call's track and a phone call's RTP.
+
+A call's transport plays its answers itself (the session's audio deltas are
+not sent as events), so it knows what was heard: :class:`Playout` keeps the
+audio queued per response, hands it out a frame at a time, tells the session
+when a response's audio starts and stops playing, and on barge-in clears
+what has not played and says where the item was cut. The transport only paces
+the frames (aiortc's track asks for one every 20 ms; a phone call's sender
+sends one every 20 ms) and encodes them.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from s2s_rt.audio import AudioFormat, resample
+
+
+@dataclass(slots=True)
+class _Chunk:
+    response_id: str
+    item_id: str
+    samples: npt.NDArray[np.int16]
+    at: int = 0
+
+
+class Playout:
+    """The audio queued to play on a call, in mono PCM16 at ``rate``, taken ``frame_samples`` at a time.
+
+    ``notify(kind, response_id)`` is told ``started`` when a response's
+    audio begins to play and ``stopped`` when all of it has played; it runs
+    on the event loop, from the transport's pacing.
+
+    Args:
+        rate: the rate frames are played at.
+        frame_samples: samples per frame.
+        heard_delay_ms: how much later than it is played the caller hears it (their jitter buffer, the codec).
+    """
+
+    #: The audio is played here (:class:`~s2s_rt.pipeline.ports.Playback`).
+    takes_audio = True
+
+    def __init__(self, rate: int, frame_samples: int, heard_delay_ms: float) -> None:
+        self.rate = rate
+        self.frame_samples = frame_samples
+        self.heard_delay_ms = heard_delay_ms
+        self._queue: collections.deque[_Chunk] = collections.deque()
+        #: The response whose audio is playing (between ``started`` and ``stopped``/``cleared``).
+        self.playing: str | None = None
+        #: The item whose audio is playing (while :attr:`playing` is set), and how many ms of it have played.
+        self.item_id: str | None = None
+        self.played_ms = 0.0
+        #: Responses whose audio has all been queued (it has ``stopped`` once it has all played).
+        self._finished: set[str] = set()
+        #: Responses whose remaining audio was cleared: anything of theirs that still comes is dropped.
+        self._cleared: set[str] = set()
+        self.notify: Callable[[str, str], None] = lambda kind, response_id: None
+
+    def play(self, response_id: str, item_id: str, data: bytes, fmt: AudioFormat) -> None:
+        """Queue one audio delta of a response, in the session's output format."""
+        if response_id in self._cleared or not data:
+            return
+        if fmt.type == "audio/pcm" and fmt.rate == self.rate:
+            samples = np.frombuffer(data, dtype="<i2").copy()
+        else:
+            floats = resample(fmt.decode(data), fmt.rate, self.rate)
+            samples = np.clip(np.round(floats * 32767.0), -32768, 32767).astype(np.int16)
+        self._queue.append(_Chunk(response_id, item_id, samples))
+
+    def finish(self, response_id: str) -> None:
+        """A response's audio is all queued."""
+        self._finished.add(response_id)
+        if self.playing is None and not any(c.response_id == response_id for c in self._queue):
+            self._finished.discard(response_id)
+
+    @property
+    def queued_ms(self) -> float:
+        return 1000 * sum(len(c.samples) - c.at for c in self._queue) / self.rate
+
+    @property
+    def idle(self) -> bool:
+        """Nothing is playing or waiting to play."""
+        return self.playing is None and not self._queue
+
+    def clear(self) -> tuple[str | None, str | None, float]:
+        """Drop the audio not yet played.
+
+        Returns:
+            The response whose audio was playing (None: none had begun), the item whose audio was cut
+            (None: nothing was waiting either) and how many ms of it were heard (played, less
+            ``heard_delay_ms`` still on its way; 0 for audio that had not begun).
+        """
+        playing = self.playing
+        if playing is not None:
+            item = self.item_id
+        else:
+            item = self._queue[0].item_id if self._queue else None
+        for chunk in self._queue:
+            self._cleared.add(chunk.response_id)
+        if playing is not None:
+            self._cleared.add(playing)
+        self._queue.clear()
+        self.playing = None
+        self.item_id = None
+        played = self.played_ms if playing is not None else 0.0
+        return playing, item, max(0.0, played - self.heard_delay_ms)
+
+    def next_frame(self) -> npt.NDArray[np.int16]:
+        """The next frame to play (silence where nothing is queued), noting what starts and stops playing."""
+        size = self.frame_samples
+        out = np.zeros(size, dtype=np.int16)
+        filled = 0
+        queue = self._queue
+        while filled < size and queue:
+            chunk = queue[0]
+            n = min(size - filled, len(chunk.samples) - chunk.at)
+            out[filled : filled + n] = chunk.samples[chunk.at : chunk.at + n]
+            chunk.at += n
+            filled += n
+            if self.playing != chunk.response_id:
+                if self.playing is not None:
+                    self._stopped(self.playing)
+                self.playing = chunk.response_id
+                self.notify("started", chunk.response_id)
+            if self.item_id != chunk.item_id:
+                self.item_id, self.played_ms = chunk.item_id, 0.0
+            self.played_ms += 1000 * n / self.rate
+            if chunk.at >= len(chunk.samples):
+                queue.popleft()
+        if self.playing is not None and not queue and self.playing in self._finished:
+            self._stopped(self.playing)
+        return out
+
+    def _stopped(self, response_id: str) -> None:
+        self._finished.discard(response_id)
+        self.playing = None
+        self.notify("stopped", response_id)
