@@ -183,6 +183,21 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     media_ports: str | None = None
     #: A call whose data channel has not opened this long after its offer (ICE never completed) ends.
     call_timeout_s: float = 15.0
+    #: Phone calls over SIP (UDP and TCP) on this port; None: off. A PBX or trunk sends its INVITEs here.
+    sip_port: int | None = None
+    #: The address SIP and its RTP media listen on, and the one the SDP answer names (a reachable one).
+    sip_host: str = "127.0.0.1"
+    #: UDP ports for the calls' RTP, ``LOW-HIGH`` (each call takes one).
+    sip_media_ports: str = "30000-30999"
+    #: Where ``realtime.call.incoming`` is posted (HTTP POST, JSON) when a call rings; the application then
+    #: accepts or rejects it (``POST /v1/realtime/calls/{call_id}/accept``). None: see :attr:`sip_accept`.
+    sip_webhook_url: str | None = None
+    #: The secret the webhook is signed with (Standard Webhooks, as OpenAI signs: ``whsec_`` and base64).
+    sip_webhook_secret: str | None = None
+    #: Without a webhook, answer every call at once with the default session (False: refuse with 603).
+    sip_accept: bool = False
+    #: A ringing call neither accepted nor rejected this long after its webhook is refused (480).
+    sip_answer_timeout_s: float = 10.0
     #: The longest ``expires_after.seconds`` a client secret may ask for (OpenAI's bound: two hours).
     max_client_secret_s: int = 7200
     #: Let the page at ``/`` get a client secret (``POST /page/client_secret``) without a key, when keys are on.
@@ -254,6 +269,16 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ConfigError("llm_prefix_cache_tokens and llm_prefix_session_tokens must be 0 or more")
         if not 0 < self.call_timeout_s <= 600:
             raise ConfigError("call_timeout_s must be above 0 and at most 600")
+        if self.sip_port is not None and not 0 <= self.sip_port <= 65535:
+            raise ConfigError("sip_port must be 0..65535 (0: any free port)")
+        try:
+            port_range(self.sip_media_ports)
+        except ValueError as exc:
+            raise ConfigError(f"sip_media_ports: {exc}") from None
+        if self.sip_webhook_url is not None and not self.sip_webhook_url.startswith(("http://", "https://")):
+            raise ConfigError(f"sip_webhook_url must be an http:// or https:// URL, not {self.sip_webhook_url!r}")
+        if not 0 < self.sip_answer_timeout_s <= 600:
+            raise ConfigError("sip_answer_timeout_s must be above 0 and at most 600")
         if not 10 <= self.max_client_secret_s <= 86400:
             raise ConfigError("max_client_secret_s must be 10..86400")
         if self.media_ports is not None:

@@ -456,9 +456,8 @@ class Slot:
 class SessionPort:
     """What the server holds of a session served on a slot: the one way in, from :meth:`Slot.attach` until its end.
 
-    The transports (a WebSocket's receive loop, a call's) give it the
-    client's frames and audio and ask it what they need to know; they never
-    reach the slot's stages, queues, outbox or session state.
+    The transports (a WebSocket's receive loop, a call's) give it the client's frames, audio and keypad
+    presses, and ask it what they need to know; they never reach the slot's stages, queues, outbox or state.
     """
 
     def __init__(self, slot: Slot, ctx: SessionContext) -> None:
@@ -478,6 +477,10 @@ class SessionPort:
     def hear(self, fmt: AudioFormat, data: bytes) -> None:
         """Audio from a call's media track, in ``fmt``."""
         self._slot._dispatch.media_audio(self._ctx, fmt, data)
+
+    def dtmf(self, digit: str) -> None:
+        """A phone call's caller pressed a key: ``input_audio_buffer.dtmf_event_received``."""
+        self._slot._outbox.dtmf(digit)
 
     def stuck_for(self) -> float:
         """Seconds the current send has waited for the client to read (0 when none waits)."""

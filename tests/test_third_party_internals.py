@@ -357,3 +357,23 @@ def test_a_call_bound_outside_its_range_is_refused() -> None:
             internals.require_ports_in_range(sdp.replace("47205 typ", "50000 typ"))
 
     run(scenario())
+
+
+def test_aiosipua_keeps_its_calls_where_a_refused_call_is_dropped_and_starts_its_udp_quietly() -> None:
+    from aiosipua import SipUAS
+
+    async def scenario() -> None:
+        transport = internals.SipUdp(local_addr=("127.0.0.1", 0))
+        await transport.start()  # without the AssertionError the library's own protocol logs on 3.11
+        try:
+            agent = SipUAS(transport)
+            calls = getattr(agent, internals.SIP_CALLS)
+            assert isinstance(calls, dict), internals.gone("aiosipua", "SipUAS._calls")
+            calls["flood-1"] = object()
+            assert agent.active_calls
+            internals.forget_call(agent, "flood-1")
+            assert not agent.active_calls
+        finally:
+            await transport.stop()
+
+    run(scenario())

@@ -22,7 +22,7 @@ from s2s_rt.metrics import Metrics
 from s2s_rt.pipeline.ports import Channel, EventTooLarge, close_quickly
 from s2s_rt.pipeline.work import CloseRequest, Outgoing, ResponseTimings, SessionEnd, TurnTiming
 from s2s_rt.protocol.errors import RealtimeError, ServerFault
-from s2s_rt.protocol.server_events import AudioDelta, ServerEvent, encode_event
+from s2s_rt.protocol.server_events import AudioDelta, DtmfReceived, ServerEvent, encode_event
 from s2s_rt.scope import Scope
 
 if TYPE_CHECKING:
@@ -120,6 +120,15 @@ class Outbox:
             self.budget.used += len(out.data)
             self.queue.put_nowait(out)
         return True
+
+    def dtmf(self, digit: str) -> None:
+        """A phone call's caller pressed a key (``0``-``9``, ``*``, ``#``, ``A``-``D``)."""
+        session = self.session
+        if session is not None:
+            event = DtmfReceived(
+                type="input_audio_buffer.dtmf_event_received", event=digit, received_at=int(time.time())
+            )
+            self.emit_nowait([event], session.scope)
 
     async def error(self, exc: RealtimeError) -> None:
         """An ``error`` event for the session served now."""

@@ -143,6 +143,12 @@ class OutputAudioBuffer(ServerEvent):  # output_audio_buffer.started|stopped|cle
     response_id: str
 
 
+class DtmfReceived(ServerEvent, kw_only=True, omit_defaults=True):  # input_audio_buffer.dtmf_event_received
+    event: str
+    received_at: int
+    event_id: str = ""  # OpenAI's type has none: left out
+
+
 class TimeoutTriggered(ServerEvent):
     audio_start_ms: int
     audio_end_ms: int

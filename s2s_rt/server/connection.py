@@ -37,7 +37,7 @@ from s2s_rt.server.pool import Pool
 from s2s_rt.server.secrets import PREFIX as SECRET_PREFIX
 from s2s_rt.server.secrets import ClientSecret, ClientSecrets
 from s2s_rt.server.state import Serving
-from s2s_rt.server.webrtc import HEARD_FORMAT, Call
+from s2s_rt.server.webrtc import Call
 from s2s_rt.slot import SessionPort, Slot
 
 log = logging.getLogger(__name__)
@@ -71,6 +71,7 @@ class Connections:
             raise ConfigError(str(exc)) from None
         self.per_ip: dict[str, int] = {}
         self.trusted = [ipaddress.ip_network(p, strict=False) for p in config.trusted_proxies]
+        self.watch: Callable[[ServerConnection], Awaitable[None]] | None = None  # ?call_id= (a SIP call's)
 
     def enter(self, host: str) -> bool:
         """Count a connection (a WebSocket or a call) of ``host`` from now on; False when it is one too many.
@@ -99,7 +100,9 @@ class Connections:
         host = client_host(ws, self.trusted)
         within = self.enter(host)
         try:
-            if within:
+            if within and self.watch is not None and "call_id=" in (ws.request.path if ws.request else ""):
+                await self.watch(ws)
+            elif within:
                 await self._serve_connection(ws, host)
             else:
                 await self._refuse(ws, *self.too_many(), 1008)
@@ -201,7 +204,7 @@ class Connections:
                 slot.index,
                 client,
                 "beta" if session.dialect.beta else "GA",
-                ", WebRTC" if channel.playback.takes_audio else "",
+                f", {getattr(channel, 'transport', 'a call')}" if channel.playback.takes_audio else "",
                 extra={
                     "fields": {"event": "session_start", "session": session.id, "slot": slot.index, "client": client}
                 },
@@ -268,7 +271,7 @@ class Connections:
         refusals = Refusals()
         activity = Activity(loop.time())
         watchdog = asyncio.create_task(self._watch(call, port, activity), name=f"slot{port.index}-watchdog")
-        hear = functools.partial(port.hear, HEARD_FORMAT)
+        hear = functools.partial(port.hear, call.heard_format)
 
         def heard(pcm: bytes) -> None:
             # The caller's audio is its activity, as appends are a WebSocket's (idle_session_s counts from it).

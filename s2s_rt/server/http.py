@@ -33,6 +33,7 @@ from s2s_rt.server.handshake import (
 from s2s_rt.server.pool import Pool
 from s2s_rt.server.posts import Peer, json_of
 from s2s_rt.server.secrets import ClientSecret, ClientSecrets
+from s2s_rt.server.sip import Phones
 from s2s_rt.server.state import Serving
 
 #: The header operator requests (``POST /drain``, ``POST /undrain``) must carry, with the value 1.
@@ -41,6 +42,8 @@ SECRETS_PATH = "/v1/realtime/client_secrets"
 #: Where the page at ``/`` gets a client secret when the operator enables it (``--page-secrets``).
 PAGE_SECRET_PATH = "/page/client_secret"
 _HANGUP = re.compile(r"^/v1/realtime/calls/([A-Za-z0-9_-]{1,64})/hangup$")
+#: What an application does with a phone call (:mod:`~s2s_rt.server.sip`): operators' routes, never pages'.
+_CALL_ACTION = re.compile(r"^/v1/realtime/calls/([A-Za-z0-9_-]{1,64})/(accept|reject|refer|hangup)$")
 
 
 class Routes:
@@ -60,6 +63,7 @@ class Routes:
         stack: Stack,
         connections: Connections,
         calls: Calls,
+        phones: Phones | None = None,
     ) -> None:
         self.config = config
         self.metrics = metrics
@@ -69,6 +73,8 @@ class Routes:
         self.connections = connections
         self.secrets: ClientSecrets = connections.secrets
         self.calls = calls
+        #: The phone calls (SIP), when the server takes them.
+        self.phones = phones
 
     def process_request(self, connection: ServerConnection, request: Request) -> Response | None:
         response = self._route(connection, request)
@@ -136,9 +142,19 @@ class Routes:
             response = check(self.config, self.metrics, request, shutting, self.secrets) or await self.calls.create(
                 request, body, self._client(peer, request)
             )
-        elif (match := _HANGUP.match(path)) is not None:
+        elif (match := _CALL_ACTION.match(path)) is not None:
+            call_id, action = match.groups()
             operator = bool(self.config.api_keys) and authorized(self.config.api_keys, request, subprotocol=False)
-            response = self.calls.hangup(match.group(1), request, operator or not self.config.api_keys)
+            phones = self.phones
+            if phones is not None and call_id in phones.calls:
+                if operator or not self.config.api_keys:
+                    response = phones.act(call_id, action, body)
+                else:
+                    response = api_error(HTTPStatus.UNAUTHORIZED, "invalid_api_key", f"{action} a call with an API key")
+            elif action == "hangup":
+                response = self.calls.hangup(call_id, request, operator or not self.config.api_keys)
+            else:
+                response = api_error(HTTPStatus.NOT_FOUND, "call_not_found", f"No phone call {call_id!r} is ringing")
         else:
             routed = self._route(peer, request)  # type: ignore[arg-type]
             # None: a session path, which opens by a WebSocket handshake (GET), not by a POST.

@@ -44,6 +44,17 @@ aioice (aiortc's dependency: >=0.12,<1 for aiortc 1.16.0, >=0.10.1 for
   the loop's method is wrapped to bind within ``media_ports``
   (:func:`~s2s_rt.server.webrtc.bind_media_in`). aioice's pull requests #63
   and #112 would add a port range; neither is released.
+
+aiosipua (``pyproject.toml``: >=0.7.1,<0.8; read in 0.7.1), used by
+:mod:`~s2s_rt.server.sip`:
+
+- ``SipUAS._calls``, where it keeps each INVITE's call until a BYE or a
+  timer drops it: a call refused, unanswered or ended is dropped there
+  (:func:`forget_call`), or a flood of INVITEs would stay in it.
+- ``_UdpProtocol``, whose ``connection_made`` asserts a
+  ``DatagramTransport`` that Python 3.11's selector loop does not give (an
+  ``AssertionError`` logged per start, the transport set anyway): subclassed
+  without the check (:class:`SipUdp`).
 """
 
 from __future__ import annotations
@@ -58,6 +69,8 @@ from typing import Any
 import aioice.ice
 from aiortc import RTCRtpReceiver
 from aiortc.jitterbuffer import JitterBuffer
+from aiosipua import SipUAS
+from aiosipua.transport import UdpSipTransport, _UdpProtocol
 from websockets.asyncio.connection import Connection
 from websockets.asyncio.messages import Assembler
 
@@ -70,7 +83,10 @@ CHECKED = {
     "websockets": "17.0 and 17.4",
     "aiortc": "1.14.0 and 1.16.0",
     "aioice": "0.10.1, 0.12.0 and 0.13.0",
+    "aiosipua": "0.7.1",
 }
+#: Where ``SipUAS`` keeps its calls, by SIP Call-ID.
+SIP_CALLS = "_calls"
 
 
 def version(package: str) -> str:
@@ -207,3 +223,25 @@ def host_ports_outside(sdp: str) -> list[int]:
         if line.startswith("a=candidate:") and fields[6:8] == ["typ", "host"] and int(fields[5]) not in ports:
             outside.add(int(fields[5]))
     return sorted(outside)
+
+
+def forget_call(agent: SipUAS, dialog_id: str) -> None:
+    """Drop a call the SIP library keeps (refused, unanswered or ended): nothing of an INVITE stays behind."""
+    calls = getattr(agent, SIP_CALLS, None)
+    if not isinstance(calls, dict):
+        raise RuntimeError(gone("aiosipua", f"SipUAS has no {SIP_CALLS} dict"))
+    calls.pop(dialog_id, None)
+
+
+class _Datagrams(_UdpProtocol):
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        setattr(getattr(self, "_owner"), "_udp_transport", transport)  # noqa: B009, B010
+
+
+class SipUdp(UdpSipTransport):
+    """aiosipua's UDP transport, started without its protocol's check that fails on Python 3.11."""
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        transport, _ = await loop.create_datagram_endpoint(lambda: _Datagrams(self), local_addr=self.local_addr)
+        setattr(self, "_udp_transport", transport)  # noqa: B010

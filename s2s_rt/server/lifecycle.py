@@ -37,6 +37,7 @@ from s2s_rt.server.handshake import select_subprotocol
 from s2s_rt.server.http import Routes
 from s2s_rt.server.pool import Pool
 from s2s_rt.server.secrets import ClientSecrets
+from s2s_rt.server.sip import Phones
 from s2s_rt.server.stack import load_stack
 from s2s_rt.slot import Slot
 from s2s_rt.supervise import supervise
@@ -66,6 +67,8 @@ class Server:
         self.pool: Pool | None = None
         #: The WebRTC calls in progress (``POST /v1/realtime/calls``).
         self.calls: Calls | None = None
+        #: The phone calls (SIP), when ``sip_port`` is set.
+        self.phones: Phones | None = None
         self.pools: dict[str, StagePool] = {}
         self.clock: ListeningClock | None = None
         self._runner: asyncio.Task[None] | None = None
@@ -192,7 +195,8 @@ class Server:
             cfg, self.metrics, self, self.pool, self.stack, ClientSecrets(cfg.max_client_secret_s)
         )
         calls = self.calls = Calls(cfg, connections)
-        routes = Routes(cfg, self.metrics, self, self.pool, self.stack, connections, calls)
+        phones = self.phones = Phones(cfg, connections) if cfg.sip_port is not None else None
+        routes = Routes(cfg, self.metrics, self, self.pool, self.stack, connections, calls, phones)
         tasks: list[asyncio.Task[Any]] = []
         try:
             cost = await clock.calibrate()
@@ -230,6 +234,8 @@ class Server:
                     create_connection=(connection_class := DirectConnection.answering(routes.answer_post)),
                 ) as ws_server:
                     self.port = ws_server.sockets[0].getsockname()[1]
+                    if phones is not None:
+                        await phones.start()
                     log.info(
                         "s2s-rt listening on ws://%s:%d/v1/realtime (pool of %d, %s stack)",
                         cfg.host,
@@ -242,7 +248,7 @@ class Server:
                     await self._drain_for_shutdown()
                     connection_class.refuse_unread("the server is shutting down")
                     ws_server.close()
-                    await asyncio.gather(ws_server.wait_closed(), calls.close())
+                    await asyncio.gather(ws_server.wait_closed(), calls.close(), *([phones.close()] if phones else []))
                 for task in tasks:
                     task.cancel()
         finally:

@@ -117,6 +117,10 @@ class Call:
         configuration: STUN/TURN servers.
     """
 
+    #: The caller's audio as it is heard (:attr:`hear`).
+    heard_format = HEARD_FORMAT
+    transport = "WebRTC"
+
     def __init__(self, call_id: str, configuration: RTCConfiguration) -> None:
         self.id = call_id
         self.pc = RTCPeerConnection(configuration)

@@ -1,0 +1,203 @@
+"""One phone call (:mod:`~s2s_rt.server.sip`): its SIP dialog, its RTP, and the channel its session writes to.
+
+The caller's audio arrives as G.711 over RTP (:mod:`aiortp`, through
+:mod:`aiosipua`'s call session), decoded to 8 kHz PCM16 for the listening
+clock; the answers' audio leaves from a
+:class:`~s2s_rt.server.playout.Playout`, one 20 ms packet at a time while
+there is something to play (silence is not sent). The session's events go to
+the application's WebSocket when one watches the call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from http import HTTPStatus
+from typing import Any
+
+from aiosipua import CallSession
+from aiosipua.incoming_call import IncomingCall
+from websockets.exceptions import ConnectionClosed
+
+from s2s_rt.audio import AudioFormat
+from s2s_rt.server.playout import Playout
+
+log = logging.getLogger(__name__)
+
+#: What RTP carries both ways here: G.711 at 8 kHz, in 20 ms packets (μ-law, A-law), with RFC 4733 keypad events.
+RATE = 8_000
+FRAME_SAMPLES = RATE // 50
+CODECS = [0, 8]
+HEARD_FORMAT = AudioFormat("audio/pcm", RATE)
+#: A phone plays what it is sent this much later (its jitter buffer): that much of what was played is unheard.
+HEARD_DELAY_MS = 60.0
+#: Events the application's WebSocket may have sent and the session not yet read before the call ends.
+MAX_WAITING_EVENTS = 4096
+
+
+class CallGone(ConnectionClosed):
+    """The phone call is over (a kind of closed connection)."""
+
+    def __init__(self) -> None:
+        super().__init__(None, None)
+
+    def __str__(self) -> str:
+        return "the call ended"
+
+
+class PhoneCall:
+    """One phone call: its SIP dialog, its RTP, and the session's channel while it is answered.
+
+    The session's events go to the application's WebSocket when one watches
+    the call, else nowhere; its audio goes to the caller (:attr:`playback`).
+
+    Args:
+        call_id: the id the webhook and the routes name (``rtc_…``).
+        invite: the caller's INVITE, as the SIP library holds it.
+        client: the caller's signalling address, for admission and logs.
+    """
+
+    heard_format = HEARD_FORMAT
+    transport = "SIP"
+
+    def __init__(self, call_id: str, invite: IncomingCall, client: str) -> None:
+        self.id = call_id
+        self.invite = invite
+        self.client = client
+        self.playback = Playout(RATE, FRAME_SAMPLES, HEARD_DELAY_MS)
+        self.media: CallSession | None = None
+        self.inbox: asyncio.Queue[str | bytes | None] = asyncio.Queue()
+        #: The application's answer while the call rings: the session configuration it accepted with, or a status.
+        self.answer: asyncio.Future[dict[str, Any] | int] = asyncio.get_running_loop().create_future()
+        #: Set when the call is over, whoever ended it; ``why`` says why.
+        self.gone = asyncio.Event()
+        self.why = ""
+        self.close_code: int | None = None
+        #: Takes each packet of the caller's audio, as 8 kHz mono PCM16 (set while a session is attached).
+        self.hear: Any = None
+        #: Told each keypad press (set while a session is attached).
+        self.keypad: Any = None
+        #: The application's WebSocket watching the call, if one does.
+        self.watcher: Any = None
+        self.secret: str | None = None
+        self._sender: asyncio.Task[None] | None = None
+
+    # --- the channel the session writes to -------------------------------------
+
+    @property
+    def is_open(self) -> bool:
+        return not self.gone.is_set()
+
+    async def send(self, message: Any, *, text: bool | None = True) -> None:
+        if self.gone.is_set():
+            raise CallGone
+        watcher = self.watcher
+        if watcher is None:
+            return  # nobody watches the call: its events are not kept
+        try:
+            await watcher.send(message if isinstance(message, str) else bytes(message).decode())
+        except ConnectionClosed:
+            self.watcher = None  # the application stopped watching; the call goes on
+
+    async def close(self, code: int = 1000, reason: str = "") -> None:
+        self.close_code = code
+        self.end(reason or "closed by the server")
+
+    def abort(self) -> None:
+        self.end("aborted by the server")
+
+    # --- media -----------------------------------------------------------------
+
+    async def start_media(self, host: str, ports: range) -> Any:
+        """Bind the call's RTP on a free port of ``ports`` and start sending; the SDP answer.
+
+        Raises:
+            ValueError: the offer has no audio this server takes (G.711), or no address.
+            OSError: no port of the range is free.
+        """
+        offer = self.invite.sdp_offer
+        if offer is None:
+            raise ValueError("the INVITE has no SDP offer")
+        tried = 0
+        for port in _ports_to_try(ports):
+            # Media goes where the SDP says (latching to the source breaks callers that send from another port).
+            media = CallSession(host, port, offer, supported_codecs=CODECS, symmetric_rtp=False)
+            try:
+                await media.start()
+            except OSError:
+                tried += 1
+                if tried >= 20:
+                    raise
+                continue
+            break
+        media.on_audio = self._heard
+        media.on_dtmf = self._pressed
+        self.media = media
+        self._sender = asyncio.get_running_loop().create_task(self._send_audio(media), name=f"{self.id}-rtp")
+        return media.sdp_answer
+
+    def _heard(self, pcm: bytes, timestamp: int) -> None:
+        hear = self.hear
+        if hear is None or self.gone.is_set():
+            return
+        try:
+            hear(pcm)
+        except Exception:
+            # This call's share of the hearing failed: it ends, alone.
+            log.exception("phone call %s: its audio could not be heard; ending it", self.id)
+            self.end("internal error while hearing its audio")
+
+    def _pressed(self, digit: str, duration: int) -> None:
+        keypad = self.keypad
+        if keypad is not None and not self.gone.is_set():
+            keypad(digit)
+
+    async def _send_audio(self, media: CallSession) -> None:
+        """Every 20 ms, the next frame of what the session plays, while there is one (silence is not sent)."""
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        ticks = 0
+        playback = self.playback
+        while not self.gone.is_set():
+            ticks += 1
+            wait = start + ticks * 0.02 - loop.time()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            elif wait < -0.2:
+                start, ticks = loop.time(), 0  # the loop fell behind: count again rather than send a burst
+            if playback.idle:
+                continue
+            frame = playback.next_frame()
+            media.send_audio_pcm(frame.tobytes(), ticks * FRAME_SAMPLES)
+
+    # --- lifecycle ----------------------------------------------------------------
+
+    def end(self, why: str) -> None:
+        """The call is over: BYE if it was answered, its RTP closed, its session told (its inbox ends)."""
+        if self.gone.is_set():
+            return
+        self.why = why
+        self.gone.set()
+        self.inbox.put_nowait(None)
+        self.hear = self.keypad = None
+        if not self.answer.done():
+            self.answer.set_result(int(HTTPStatus.GONE))
+        if self.invite.dialog.state.name == "CONFIRMED":
+            self.invite.hangup()
+        if self._sender is not None:
+            self._sender.cancel()
+
+    async def wait_closed(self) -> None:
+        """Until the call's RTP is closed (after :meth:`end`)."""
+        if self._sender is not None:
+            await asyncio.wait((self._sender,))
+        if self.media is not None:
+            await self.media.close()
+
+
+def _ports_to_try(ports: range) -> list[int]:
+    """Even ports of ``ports`` (RTP's convention), from a random one on."""
+    even = [p for p in ports if p % 2 == 0] or list(ports)
+    first = random.randrange(len(even))
+    return even[first:] + even[:first]

@@ -1,0 +1,203 @@
+"""SIPp (Debian's ``sip-tester``) as the caller in SIP tests: scenarios written per test, run as a process.
+
+A scenario here is one call: an INVITE with a G.711 offer, then either the
+call answered (200, ACK, the caller's audio streamed from ``in.ulaw`` for a
+while, the caller's BYE) or refused with an expected status (and its ACK).
+SIPp exits 0 when the call went as its scenario says, 1 when it did not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import shutil
+import socket
+from pathlib import Path
+
+import numpy as np
+from conftest import missing
+
+#: Where Debian's sip-tester keeps its recorded RTP (keypad presses among them).
+PCAPS = Path("/usr/share/sip-tester")
+
+INVITE = """
+  <send retrans="500">
+    <![CDATA[
+      INVITE sip:agent@[remote_ip]:[remote_port] SIP/2.0
+      Via: SIP/2.0/[transport] [local_ip]:[local_port];branch=[branch]
+      From: sipp <sip:sipp@[local_ip]:[local_port]>;tag=[pid]SIPpTag00[call_number]
+      To: <sip:agent@[remote_ip]:[remote_port]>
+      Call-ID: [call_id]
+      CSeq: 1 INVITE
+      Contact: sip:sipp@[local_ip]:[local_port];transport=[transport]
+      X-Caller-Account: 4711
+      Max-Forwards: 70
+      Content-Type: application/sdp
+      Content-Length: [len]
+
+      v=0
+      o=user1 53655765 2353687637 IN IP[local_ip_type] [local_ip]
+      s=-
+      c=IN IP4 127.0.0.1
+      t=0 0
+      m=audio {hears_on} RTP/AVP 0 8 101
+      a=rtpmap:0 PCMU/8000
+      a=rtpmap:8 PCMA/8000
+      a=rtpmap:101 telephone-event/8000
+      a=fmtp:101 0-15
+    ]]>
+  </send>
+  <recv response="100" optional="true"/>
+"""
+
+ACK_2XX = """
+  <send>
+    <![CDATA[
+      ACK sip:agent@[remote_ip]:[remote_port] SIP/2.0
+      Via: SIP/2.0/[transport] [local_ip]:[local_port];branch=[branch]
+      From: sipp <sip:sipp@[local_ip]:[local_port]>;tag=[pid]SIPpTag00[call_number]
+      To: <sip:agent@[remote_ip]:[remote_port]>[peer_tag_param]
+      Call-ID: [call_id]
+      CSeq: 1 ACK
+      Contact: sip:sipp@[local_ip]:[local_port];transport=[transport]
+      Max-Forwards: 70
+      Content-Length: 0
+    ]]>
+  </send>
+"""
+
+BYE = """
+  <send retrans="500">
+    <![CDATA[
+      BYE sip:agent@[remote_ip]:[remote_port] SIP/2.0
+      Via: SIP/2.0/[transport] [local_ip]:[local_port];branch=[branch]
+      From: sipp <sip:sipp@[local_ip]:[local_port]>;tag=[pid]SIPpTag00[call_number]
+      To: <sip:agent@[remote_ip]:[remote_port]>[peer_tag_param]
+      Call-ID: [call_id]
+      CSeq: 2 BYE
+      Contact: sip:sipp@[local_ip]:[local_port];transport=[transport]
+      Max-Forwards: 70
+      Content-Length: 0
+    ]]>
+  </send>
+  <recv response="200" timeout="5000"/>
+"""
+
+
+def answered(talk_ms: int, hears_on: int, *, ring: bool = True, keys_after_ms: int | None = None) -> str:
+    """A call answered, the caller's audio streamed for ``talk_ms``, then the caller's BYE.
+
+    The offer asks for the answers' audio on ``hears_on`` (a UDP port the test reads), not SIPp's own.
+    ``keys_after_ms``: the caller presses 1 (RFC 4733, Debian's ``dtmf_2833_1.pcap``; SIPp sends it
+    from a raw socket, which needs root) that long after the call was answered.
+    """
+    keys = ""
+    if keys_after_ms is not None:
+        keys = (
+            f'<pause milliseconds="{keys_after_ms}"/><nop><action><exec play_pcap_audio="dtmf_1.pcap"/></action></nop>'
+        )
+        talk_ms = max(0, talk_ms - keys_after_ms)
+    return _scenario(
+        hears_on,
+        ('<recv response="180"/>' if ring else '<recv response="180" optional="true"/>')
+        + '<recv response="200" rtd="true"/>'
+        + ACK_2XX
+        + '<nop><action><exec rtp_stream="in.ulaw,1,0"/></action></nop>'
+        + keys
+        + f'<pause milliseconds="{talk_ms}"/>'
+        + BYE,
+    )
+
+
+def refused(status: int) -> str:
+    """A call refused with ``status`` (perhaps after ringing); the caller ACKs the refusal."""
+    ack = """
+  <send>
+    <![CDATA[
+      ACK sip:agent@[remote_ip]:[remote_port] SIP/2.0
+      [last_Via:]
+      From: sipp <sip:sipp@[local_ip]:[local_port]>;tag=[pid]SIPpTag00[call_number]
+      To: <sip:agent@[remote_ip]:[remote_port]>[peer_tag_param]
+      Call-ID: [call_id]
+      CSeq: 1 ACK
+      Max-Forwards: 70
+      Content-Length: 0
+    ]]>
+  </send>
+"""
+    return _scenario(9, f'<recv response="180" optional="true"/><recv response="{status}"/>' + ack)
+
+
+def _scenario(hears_on: int, body: str) -> str:
+    return (
+        '<?xml version="1.0" encoding="ISO-8859-1" ?>\n<!DOCTYPE scenario SYSTEM "sipp.dtd">\n'
+        f'<scenario name="s2s-rt test">{INVITE.format(hears_on=hears_on)}{body}</scenario>\n'
+    )
+
+
+def ulaw(pcm16: np.ndarray) -> bytes:
+    """PCM16 samples as G.711 μ-law bytes."""
+    x = np.clip(pcm16.astype(np.int32), -32635, 32635)
+    sign = np.where(x < 0, 0x80, 0)
+    x = np.abs(x) + 0x84
+    exponent = np.floor(np.log2(x)).astype(np.int32) - 7
+    mantissa = (x >> (exponent + 3)) & 0x0F
+    return (~(sign | (exponent << 4) | mantissa) & 0xFF).astype(np.uint8).tobytes()
+
+
+async def sipp(
+    folder: Path, scenario: str, port: int, *, transport: str = "u1", timeout: float = 30.0, audio: bytes = b""
+) -> tuple[int, str]:
+    """Run one call of ``scenario`` against ``127.0.0.1:port``; SIPp's exit status and output.
+
+    ``audio`` (μ-law at 8 kHz) is what the caller streams when the scenario talks.
+    """
+    exe = shutil.which("sipp")
+    if exe is None:
+        missing("sipp (Debian sip-tester) is not installed")
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "call.xml").write_text(scenario)
+    (folder / "in.ulaw").write_bytes(audio or bytes([0xFF]) * 8000)
+    if "dtmf_1.pcap" in scenario:
+        if os.geteuid() != 0:
+            missing("SIPp sends RFC 4733 keypad packets from a raw socket: run as root (CI does)")
+        shutil.copy(PCAPS / "dtmf_2833_1.pcap", folder / "dtmf_1.pcap")
+    process = await asyncio.create_subprocess_exec(
+        exe, "-sf", "call.xml", f"127.0.0.1:{port}", "-i", "127.0.0.1",
+        "-p", str(_free_port()), "-mp", str(_media_port()),
+        "-t", transport, "-m", "1", "-nostdin", "-timeout", f"{int(timeout)}s",
+        cwd=folder, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        out, _ = await asyncio.wait_for(process.communicate(), timeout + 10)
+    except TimeoutError:
+        process.kill()
+        await process.wait()
+        raise
+    return int(process.returncode or 0), out.decode(errors="replace")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _media_port() -> int:
+    """An even port with the next five free, for SIPp's media (its audio and RTP-stream sockets take several)."""
+    for _ in range(200):
+        base = random.randrange(21000, 29000, 2)
+        socks = []
+        try:
+            for offset in range(6):
+                sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+                socks.append(sock)
+                sock.bind(("127.0.0.1", base + offset))
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+        return base
+    raise OSError("no free media ports for SIPp")

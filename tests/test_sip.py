@@ -1,0 +1,279 @@
+"""Phone calls over SIP (issue 41): a real SIP client (SIPp) dials the server, which answers with the pool's sessions.
+
+The caller's offer asks for the answers' audio on a UDP port the test reads
+itself, so what the caller would hear is checked here: RTP packets of G.711.
+The application's side (the webhook, accept, reject) is played by the
+official ``openai`` SDK: ``webhooks.unwrap`` checks the signature and
+``realtime.calls.accept`` / ``reject`` answer the call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from conftest import RealtimeClient, eventually, live_server, run, silence, tone
+from openai import AsyncOpenAI
+from sip_clients import answered, refused, sipp, ulaw
+
+SECRET = "whsec_" + base64.b64encode(b"a test secret of thirty-two bytes").decode()
+
+
+def _question() -> bytes:
+    """What the caller says: a second of tone (the fake stack's VAD hears it as speech), then silence."""
+    pcm = np.frombuffer(tone(300, 1.2, rate=8000) + silence(4.0, rate=8000), dtype="<i2")
+    return ulaw(pcm)
+
+
+class Ear:
+    """The caller's side of the answers' RTP: counts G.711 payload bytes that are not silence."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.setblocking(False)
+        self.port = int(self.sock.getsockname()[1])
+        self.packets = 0
+        self.loud_samples = 0
+        self.payload_types: set[int] = set()
+
+    async def listen(self, seconds: float) -> None:
+        loop = asyncio.get_running_loop()
+        end = loop.time() + seconds
+        while loop.time() < end:
+            try:
+                data = await asyncio.wait_for(loop.sock_recv(self.sock, 2048), end - loop.time())
+            except TimeoutError:
+                return
+            if len(data) <= 12:
+                continue
+            self.packets += 1
+            self.payload_types.add(data[1] & 0x7F)
+            payload = np.frombuffer(data[12:], dtype=np.uint8)
+            # μ-law silence is 0xFF/0x7F; A-law's 0xD5/0x55: anything else far from them is sound.
+            self.loud_samples += int(np.count_nonzero((payload & 0x7F) < 0x70))
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+async def _free(server: Any, n: int) -> bool:
+    return server.pool.free == n
+
+
+def test_a_call_is_answered_in_speech_and_its_slot_comes_back_when_the_caller_hangs_up(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with live_server(pool_size=2, sip_port=0, sip_accept=True) as server:
+            assert server.phones is not None and server.phones.port
+            ear = Ear()
+            try:
+                listening = asyncio.create_task(ear.listen(8.0))
+                rc, out = await sipp(tmp_path, answered(5500, ear.port), server.phones.port, audio=_question())
+                await listening
+            finally:
+                ear.close()
+            assert rc == 0, out[-3000:]
+            print(
+                f"\nheard {ear.packets} RTP packets, {ear.loud_samples / 8000:.2f} s not silent, PT {ear.payload_types}"
+            )
+            assert ear.payload_types <= {0, 8} and ear.payload_types
+            assert ear.loud_samples >= 8000 // 2  # half a second of answer at least
+            assert await eventually(lambda: _free(server, 2), 5)
+            assert not server.phones.calls
+
+    run(scenario())
+
+
+def test_a_call_over_tcp_is_answered_too(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with live_server(pool_size=1, sip_port=0, sip_accept=True) as server:
+            assert server.phones is not None
+            rc, out = await sipp(tmp_path, answered(1000, 9), server.phones.port, transport="t1")
+            assert rc == 0, out[-3000:]
+            assert await eventually(lambda: _free(server, 1), 5)
+
+    run(scenario())
+
+
+def test_a_full_pool_answers_busy_and_no_webhook_or_setting_declines(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with live_server(pool_size=1, sip_port=0, sip_accept=True) as server:
+            assert server.phones is not None
+            async with RealtimeClient.connect(server) as holder:
+                await holder.until("session.created")
+                rc, out = await sipp(tmp_path / "busy", refused(486), server.phones.port)
+                assert rc == 0, out[-3000:]
+            assert await eventually(lambda: _free(server, 1), 5)
+        async with live_server(pool_size=1, sip_port=0) as server:  # neither a webhook nor sip_accept
+            assert server.phones is not None
+            rc, out = await sipp(tmp_path / "declined", refused(603), server.phones.port)
+            assert rc == 0, out[-3000:]
+            assert await eventually(lambda: _free(server, 1), 5)
+
+    run(scenario())
+
+
+class Webhook:
+    """The operator's application: takes ``realtime.call.incoming`` posts (answers 200) and hands them over."""
+
+    def __init__(self) -> None:
+        self.posts: asyncio.Queue[tuple[dict[str, str], bytes]] = asyncio.Queue()
+        self.server: asyncio.Server | None = None
+        self.port = 0
+
+    async def __aenter__(self) -> Webhook:
+        self.server = await asyncio.start_server(self._one, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.server is not None
+        self.server.close()
+
+    async def _one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = (await reader.readuntil(b"\r\n\r\n")).decode()
+        headers = {}
+        for line in head.split("\r\n")[1:]:
+            if ":" in line:
+                name, _, value = line.partition(":")
+                headers[name.strip().lower()] = value.strip()
+        body = await reader.readexactly(int(headers.get("content-length", "0")))
+        await self.posts.put((headers, body))
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+
+def test_the_webhook_is_signed_and_the_sdk_accepts_the_call(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with Webhook() as hook:
+            url = f"http://127.0.0.1:{hook.port}/hook"
+            async with live_server(
+                pool_size=1, sip_port=0, sip_webhook_url=url, sip_webhook_secret=SECRET, api_keys=["sk-test"]
+            ) as server:
+                assert server.phones is not None
+                client = AsyncOpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="sk-test")
+                ear = Ear()
+                caller = asyncio.create_task(
+                    sipp(tmp_path, answered(5500, ear.port), server.phones.port, audio=_question())
+                )
+                listening = asyncio.create_task(ear.listen(9.0))
+                posted = asyncio.create_task(hook.posts.get())
+                await asyncio.wait((posted, caller), timeout=10, return_when=asyncio.FIRST_COMPLETED)
+                assert posted.done(), caller.result() if caller.done() else "no webhook within 10 s"
+                headers, body = posted.result()
+                event = client.webhooks.unwrap(body, headers, secret=SECRET)  # raises if the signature is wrong
+                assert event.type == "realtime.call.incoming"
+                names = {h.name.lower(): h.value for h in event.data.sip_headers}
+                assert names.get("x-caller-account") == "4711"
+                # A wrong key may not answer it.
+                stranger = AsyncOpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="sk-wrong")
+                try:
+                    await stranger.realtime.calls.accept(event.data.call_id, type="realtime")
+                    raise AssertionError("accepted with a wrong key")
+                except Exception as exc:
+                    assert getattr(exc, "status_code", None) == 401, exc
+                await client.realtime.calls.accept(
+                    event.data.call_id,
+                    type="realtime",
+                    instructions="Answer briefly.",
+                    audio={"output": {"voice": "alloy"}},
+                )
+                rc, out = await caller
+                await listening
+                ear.close()
+                assert rc == 0, out[-3000:]
+                assert ear.loud_samples >= 8000 // 2
+                assert await eventually(lambda: _free(server, 1), 5)
+
+    run(scenario())
+
+
+def test_the_sdk_rejects_a_call_with_its_status_and_an_unanswered_call_times_out(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with Webhook() as hook:
+            url = f"http://127.0.0.1:{hook.port}/hook"
+            async with live_server(pool_size=1, sip_port=0, sip_webhook_url=url, sip_answer_timeout_s=1.5) as server:
+                assert server.phones is not None
+                client = AsyncOpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused")
+                caller = asyncio.create_task(sipp(tmp_path / "rejected", refused(486), server.phones.port))
+                _, body = await asyncio.wait_for(hook.posts.get(), 10)
+                call_id = json.loads(body)["data"]["call_id"]
+                await client.realtime.calls.reject(call_id, status_code=486)
+                rc, out = await caller
+                assert rc == 0, out[-3000:]
+                # Nobody answers this one: refused with 480 once sip_answer_timeout_s has passed.
+                rc, out = await sipp(tmp_path / "unanswered", refused(480), server.phones.port)
+                assert rc == 0, out[-3000:]
+                assert await eventually(lambda: _free(server, 1), 5)
+                assert not server.phones.calls
+
+    run(scenario())
+
+
+def test_a_flood_of_invites_leaves_no_call_or_slot_behind() -> None:
+    async def scenario() -> None:
+        async with live_server(pool_size=2, sip_port=0) as server:  # no webhook, no sip_accept: each is declined
+            assert server.phones is not None
+            port = server.phones.port
+            sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            sock.bind(("127.0.0.1", 0))
+            me = sock.getsockname()[1]
+            for i in range(200):
+                sdp = (
+                    "v=0\r\no=- 1 1 IN IP4 127.0.0.1\r\ns=-\r\nc=IN IP4 127.0.0.1\r\nt=0 0\r\n"
+                    f"m=audio {9 + i} RTP/AVP 0\r\n"
+                )
+                invite = (
+                    f"INVITE sip:agent@127.0.0.1:{port} SIP/2.0\r\n"
+                    f"Via: SIP/2.0/UDP 127.0.0.1:{me};branch=z9hG4bK{i}\r\n"
+                    f"From: <sip:x@127.0.0.1>;tag={i}\r\nTo: <sip:agent@127.0.0.1>\r\nCall-ID: flood-{i}\r\n"
+                    f"CSeq: 1 INVITE\r\nContact: <sip:x@127.0.0.1:{me}>\r\nContent-Type: application/sdp\r\n"
+                    f"Content-Length: {len(sdp)}\r\n\r\n{sdp}"
+                )
+                sock.sendto(invite.encode() if i % 3 else invite.encode()[: 40 + i], ("127.0.0.1", port))
+            sock.close()
+            await asyncio.sleep(1.0)
+            assert await eventually(lambda: _free(server, 2), 5)
+            assert not server.phones.calls
+            assert all(not agent.active_calls for agent in server.phones._agents)
+            async with RealtimeClient.connect(server) as other:  # nobody else noticed
+                await other.until("session.created")
+
+    run(scenario())
+
+
+def test_the_applications_websocket_watches_the_call_hears_its_keypad_and_steers_it(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with Webhook() as hook:
+            url = f"http://127.0.0.1:{hook.port}/hook"
+            async with live_server(pool_size=2, sip_port=0, sip_webhook_url=url) as server:
+                assert server.phones is not None
+                client = AsyncOpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused")
+                caller = asyncio.create_task(sipp(tmp_path, answered(4000, 9, keys_after_ms=1500), server.phones.port))
+                posted = asyncio.create_task(hook.posts.get())
+                await asyncio.wait((posted, caller), timeout=10, return_when=asyncio.FIRST_COMPLETED)
+                assert posted.done(), caller.result() if caller.done() else "no webhook within 10 s"
+                call_id = json.loads(posted.result()[1])["data"]["call_id"]
+                # Nobody may watch a call that does not exist.
+                async with RealtimeClient.connect(server, path="/v1/realtime?call_id=rtc_nonesuch") as stranger:
+                    error = await stranger.until("error")
+                    assert error["error"]["code"] == "call_not_found"
+                await client.realtime.calls.accept(call_id, type="realtime")
+                async with RealtimeClient.connect(server, path=f"/v1/realtime?call_id={call_id}") as app:
+                    await app.send("session.update", session={"type": "realtime", "instructions": "Hi."})
+                    updated = await app.until("session.updated")
+                    assert updated["session"]["instructions"] == "Hi."
+                    pressed = await app.until("input_audio_buffer.dtmf_event_received", timeout=10)
+                    assert pressed["event"] == "1" and abs(pressed["received_at"] - time.time()) < 30
+                rc, out = await caller
+                assert rc == 0, out[-3000:]
+                assert await eventually(lambda: _free(server, 2), 5)
+
+    run(scenario())
