@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import re
 import shutil
 import socket
 from pathlib import Path
@@ -107,6 +108,36 @@ def answered(talk_ms: int, hears_on: int, *, ring: bool = True, keys_after_ms: i
         + keys
         + f'<pause milliseconds="{talk_ms}"/>'
         + BYE,
+    )
+
+
+def transferred(target: str) -> str:
+    """A call answered, then transferred by the server to ``target`` (a REFER naming it, answered 202), then
+    hung up by it (BYE)."""
+    ok = """
+  <send>
+    <![CDATA[
+      SIP/2.0 {code}
+      [last_Via:]
+      [last_From:]
+      [last_To:]
+      [last_Call-ID:]
+      [last_CSeq:]
+      Content-Length: 0
+    ]]>
+  </send>
+"""
+    return _scenario(
+        9,
+        '<recv response="180" optional="true"/><recv response="200" rtd="true"/>'
+        + ACK_2XX
+        + '<recv request="REFER" timeout="15000"><action>'
+        + f'<ereg regexp="Refer-To:.*{re.escape(target)}[>;[:space:]]" search_in="msg" check_it="true" assign_to="to"/>'
+        + "</action></recv>"
+        + ok.format(code="202 Accepted")
+        + '<recv request="BYE" timeout="15000"/>'
+        + ok.format(code="200 OK")
+        + '<Reference variables="to"/>',
     )
 
 

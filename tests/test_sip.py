@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 from conftest import RealtimeClient, eventually, live_server, run, silence, tone
 from openai import AsyncOpenAI
-from sip_clients import answered, refused, sipp, ulaw
+from sip_clients import answered, refused, sipp, transferred, ulaw
 
 SECRET = "whsec_" + base64.b64encode(b"a test secret of thirty-two bytes").decode()
 
@@ -277,3 +277,33 @@ def test_the_applications_websocket_watches_the_call_hears_its_keypad_and_steers
                 assert await eventually(lambda: _free(server, 2), 5)
 
     run(scenario())
+
+
+def test_the_sdk_transfers_a_call_and_hangs_it_up(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with live_server(pool_size=1, sip_port=0, sip_accept=True) as server:
+            assert server.phones is not None
+            client = AsyncOpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused")
+            caller = asyncio.create_task(
+                sipp(tmp_path, transferred("sip:desk@127.0.0.1:5999"), server.phones.port, timeout=25)
+            )
+            assert await eventually(lambda: _answered(server), 10)
+            (call_id,) = server.phones.calls
+            bad = "sip:x@127.0.0.1\r\nX-Injected: 1"
+            try:
+                await client.realtime.calls.refer(call_id, target_uri=bad)
+                raise AssertionError("a target with a line break was sent")
+            except Exception as exc:
+                assert getattr(exc, "status_code", None) == 400, exc
+            await client.realtime.calls.refer(call_id, target_uri="sip:desk@127.0.0.1:5999")
+            await asyncio.sleep(0.5)
+            await client.realtime.calls.hangup(call_id)
+            rc, out = await caller
+            assert rc == 0, out[-3000:]
+            assert await eventually(lambda: _free(server, 1), 5)
+
+    run(scenario())
+
+
+async def _answered(server: Any) -> bool:
+    return any(call.media is not None for call in server.phones.calls.values())

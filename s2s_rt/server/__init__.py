@@ -11,7 +11,10 @@
 - :mod:`~s2s_rt.server.direct`: the socket's direct route for audio appends, and its paced parsing.
 - :mod:`~s2s_rt.server.calls`: WebRTC calls, from the offer to the hangup, admitted as WebSockets are.
 - :mod:`~s2s_rt.server.webrtc`: one call through aiortc: its events channel, its audio both ways.
-- :mod:`~s2s_rt.server.internals`: what the server uses of websockets, aiortc and aioice beyond their public API.
+- :mod:`~s2s_rt.server.playout`: what a call plays, frame by frame, and what of it was heard (WebRTC and SIP).
+- :mod:`~s2s_rt.server.sip`: phone calls over SIP, from the INVITE to the BYE, admitted as WebSockets are.
+- :mod:`~s2s_rt.server.phone`: one phone call: its SIP dialog, its G.711 RTP both ways.
+- :mod:`~s2s_rt.server.internals`: what the server uses of websockets, aiortc, aioice and aiosipua past their APIs.
 - :mod:`~s2s_rt.server.state`: what the connections and routes may ask of the server.
 """
 
