@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 from conftest import RealtimeClient, eventually, live_server, run, silence, tone
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from openai import AsyncOpenAI
 from sip_clients import answered, refused, sipp, transferred, ulaw
 
@@ -307,3 +309,167 @@ def test_the_sdk_transfers_a_call_and_hangs_it_up(tmp_path: Path) -> None:
 
 async def _answered(server: Any) -> bool:
     return any(call.media is not None for call in server.phones.calls.values())
+
+
+def test_openai_agents_sip_model_drives_a_calls_session(tmp_path: Path) -> None:
+    """openai-agents' SIP flow: the payload its model builds accepts the call, then its SIP model attaches."""
+    from test_third_party_clients import AgentsRun, _raw_type, library_logs, needs_agents
+
+    needs_agents()
+    from agents.realtime import RealtimeAgent, RealtimeRunner
+    from agents.realtime.openai_realtime import OpenAIRealtimeSIPModel
+
+    async def scenario() -> None:
+        async with Webhook() as hook:
+            url = f"http://127.0.0.1:{hook.port}/hook"
+            async with live_server(pool_size=1, sip_port=0, sip_webhook_url=url) as server:
+                assert server.phones is not None
+                client = AsyncOpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="sk-local")
+                ear = Ear()
+                caller = asyncio.create_task(
+                    sipp(tmp_path, answered(7000, ear.port), server.phones.port, audio=_question(), timeout=30)
+                )
+                listening = asyncio.create_task(ear.listen(10.0))
+                posted = asyncio.create_task(hook.posts.get())
+                await asyncio.wait((posted, caller), timeout=10, return_when=asyncio.FIRST_COMPLETED)
+                assert posted.done(), caller.result() if caller.done() else "no webhook within 10 s"
+                call_id = json.loads(posted.result()[1])["data"]["call_id"]
+                agent = RealtimeAgent(name="phone", instructions="Answer callers in one short sentence.")
+                payload = await OpenAIRealtimeSIPModel.build_initial_session_payload(agent)
+                await client.realtime.calls.accept(call_id, **payload.model_dump(exclude_none=True))
+                runner = RealtimeRunner(agent, model=OpenAIRealtimeSIPModel())
+                with library_logs("openai.agents") as logs:
+                    session = await runner.run(
+                        model_config={
+                            "call_id": call_id,
+                            "url": f"ws://127.0.0.1:{server.port}/v1/realtime?call_id={call_id}",
+                            "api_key": "sk-local",
+                        }
+                    )
+                    async with session:
+                        r = AgentsRun(session, logs)
+                        try:
+                            done = await r.wait_for(lambda e: _raw_type(e) == "response.done", 15)
+                            assert done.data.data["response"]["status"] == "completed"
+                            r.assert_clean()
+                        finally:
+                            r._task.cancel()
+                rc, out = await caller
+                await listening
+                ear.close()
+                assert rc == 0, out[-3000:]
+                assert ear.loud_samples >= 8000 // 2
+                assert await eventually(lambda: _free(server, 1), 5)
+
+    run(scenario())
+
+
+def test_a_caller_who_hangs_up_mid_answer_frees_the_slot_at_once(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with live_server(pool_size=1, sip_port=0, sip_accept=True) as server:
+            assert server.phones is not None
+            ear = Ear()
+            listening = asyncio.create_task(ear.listen(6.0))
+            # The answer begins about 2 s in (1.2 s of question, 0.5 s of silence, the fake stack's turn).
+            rc, out = await sipp(tmp_path, answered(2300, ear.port), server.phones.port, audio=_question())
+            assert rc == 0, out[-3000:]
+            hung_up = asyncio.get_running_loop().time()
+            assert await eventually(lambda: _free(server, 1), 5)
+            freed = asyncio.get_running_loop().time() - hung_up
+            await listening
+            ear.close()
+            heard = ear.loud_samples / 8000
+            print(f"\nheard {heard:.2f} s of the answer before hanging up; slot back {freed:.2f} s later")
+            assert 0 < ear.loud_samples
+            assert freed < 2.0
+
+    run(scenario())
+
+
+INVITE_LINES = [
+    "INVITE sip:agent@127.0.0.1:{port} SIP/2.0",
+    "Via: SIP/2.0/{proto} 127.0.0.1:{me};branch=z9hG4bK{n}",
+    "From: <sip:fuzz@127.0.0.1>;tag={n}",
+    "To: <sip:agent@127.0.0.1>",
+    "Call-ID: fuzz-{n}",
+    "CSeq: 1 INVITE",
+    "Contact: <sip:fuzz@127.0.0.1:{me}>",
+    "Content-Type: application/sdp",
+]
+SDP_LINES = ["v=0", "o=- 1 1 IN IP4 127.0.0.1", "s=-", "c=IN IP4 127.0.0.1", "t=0 0", "m=audio {rtp} RTP/AVP 0 8 101"]
+
+
+@st.composite
+def mutated_invites(draw: st.DrawFn) -> tuple[list[str], list[str], int | None, bytes]:
+    """An INVITE's header lines and SDP, each perhaps dropped, repeated, cut or garbled; a Content-Length
+    that may lie; trailing junk. Every address stays 127.0.0.1 (the server answers and sends media there)."""
+    junk = st.text(alphabet=st.characters(min_codepoint=1, max_codepoint=0x2FF), max_size=40)
+
+    def mutate(lines: list[str]) -> list[str]:
+        out = []
+        for line in lines:
+            how = draw(st.sampled_from(["keep"] * 6 + ["drop", "twice", "cut", "junk", "empty"]))
+            if how == "keep":
+                out.append(line)
+            elif how == "twice":
+                out += [line, line]
+            elif how == "cut":
+                out.append(line[: draw(st.integers(0, len(line)))])
+            elif how == "junk":
+                out.append(line + draw(junk))
+            elif how == "empty":
+                out.append("")
+        return out
+
+    length = draw(st.one_of(st.none(), st.integers(-5, 100_000)))
+    return mutate(INVITE_LINES), mutate(SDP_LINES), length, draw(st.binary(max_size=60))
+
+
+def test_mutated_invites_over_udp_and_tcp_leave_no_call_slot_or_port_behind() -> None:
+    examples: list[tuple[list[str], list[str], int | None, bytes]] = []
+
+    @settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(mutated_invites())
+    def collect(example: tuple[list[str], list[str], int | None, bytes]) -> None:
+        examples.append(example)
+
+    collect()
+
+    async def scenario() -> None:
+        async with live_server(pool_size=2, sip_port=0, sip_accept=True, idle_session_s=1.5) as server:
+            assert server.phones is not None
+            port = server.phones.port
+            udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            udp.bind(("127.0.0.1", 0))
+            me = udp.getsockname()[1]
+            for n, (head, sdp_lines, length, tail) in enumerate(examples):
+                proto = "TCP" if n % 4 == 0 else "UDP"
+                fill = {"port": port, "me": me, "n": n, "proto": proto, "rtp": 9 + 2 * n}
+                sdp = ("\r\n".join(line.format(**fill) for line in sdp_lines) + "\r\n").encode()
+                declared = len(sdp) if length is None else length
+                text = "\r\n".join(line.format(**fill) for line in head) + f"\r\nContent-Length: {declared}\r\n\r\n"
+                message = text.encode("utf-8", "surrogatepass") + sdp + tail
+                if proto == "UDP":
+                    udp.sendto(message[:65000], ("127.0.0.1", port))
+                else:
+                    try:
+                        _, writer = await asyncio.open_connection("127.0.0.1", port)
+                        writer.write(message)
+                        await writer.drain()
+                        writer.close()
+                    except OSError:
+                        pass
+                await asyncio.sleep(0.01)
+            udp.close()
+            # Answered calls that never send RTP end when idle (1.5 s); declined and broken ones at once.
+            assert await eventually(lambda: _free(server, 2), 15)
+            assert await eventually(lambda: _no_calls(server), 5), list(server.phones.calls)
+            assert all(not agent.active_calls for agent in server.phones._agents)
+            async with RealtimeClient.connect(server) as other:  # nobody else noticed
+                await other.until("session.created")
+
+    run(scenario())
+
+
+async def _no_calls(server: Any) -> bool:
+    return not server.phones.calls

@@ -367,11 +367,11 @@ def test_aiosipua_keeps_its_calls_where_a_refused_call_is_dropped_and_starts_its
         await transport.start()  # without the AssertionError the library's own protocol logs on 3.11
         try:
             agent = SipUAS(transport)
-            calls = getattr(agent, internals.SIP_CALLS)
-            assert isinstance(calls, dict), internals.gone("aiosipua", "SipUAS._calls")
+            calls = internals.sip_calls(agent)
+            assert calls is getattr(agent, internals.SIP_CALLS), internals.gone("aiosipua", "SipUAS._calls")
             calls["flood-1"] = object()
             assert agent.active_calls
-            internals.forget_call(agent, "flood-1")
+            del calls["flood-1"]
             assert not agent.active_calls
         finally:
             await transport.stop()

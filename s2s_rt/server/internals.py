@@ -50,7 +50,7 @@ aiosipua (``pyproject.toml``: >=0.7.1,<0.8; read in 0.7.1), used by
 
 - ``SipUAS._calls``, where it keeps each INVITE's call until a BYE or a
   timer drops it: a call refused, unanswered or ended is dropped there
-  (:func:`forget_call`), or a flood of INVITEs would stay in it.
+  (:func:`sip_calls`), or a flood of INVITEs would stay in it.
 - ``_UdpProtocol``, whose ``connection_made`` asserts a
   ``DatagramTransport`` that Python 3.11's selector loop does not give (an
   ``AssertionError`` logged per start, the transport set anyway): subclassed
@@ -225,12 +225,13 @@ def host_ports_outside(sdp: str) -> list[int]:
     return sorted(outside)
 
 
-def forget_call(agent: SipUAS, dialog_id: str) -> None:
-    """Drop a call the SIP library keeps (refused, unanswered or ended): nothing of an INVITE stays behind."""
+def sip_calls(agent: SipUAS) -> dict[str, Any]:
+    """The calls the SIP library keeps, by Call-ID: drop those refused, unanswered or ended, and those it
+    kept of an INVITE it never handed over (its ``100 Trying`` failed: a TCP caller already gone)."""
     calls = getattr(agent, SIP_CALLS, None)
     if not isinstance(calls, dict):
         raise RuntimeError(gone("aiosipua", f"SipUAS has no {SIP_CALLS} dict"))
-    calls.pop(dialog_id, None)
+    return calls
 
 
 class _Datagrams(_UdpProtocol):

@@ -236,6 +236,7 @@ class Server:
                     self.port = ws_server.sockets[0].getsockname()[1]
                     if phones is not None:
                         await phones.start()
+                        tasks.append(tg.create_task(supervise("sip sweep", phones.sweep, self.metrics), name="sip"))
                     log.info(
                         "s2s-rt listening on ws://%s:%d/v1/realtime (pool of %d, %s stack)",
                         cfg.host,

@@ -157,6 +157,19 @@ class Phones:
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
+    def _sweep(self) -> None:
+        """Drop what the SIP library keeps of calls that are not (or no longer) ours."""
+        for agent in self._agents:
+            calls = internals.sip_calls(agent)
+            for dialog_id in [d for d in calls if d not in self._by_dialog]:
+                del calls[dialog_id]
+
+    async def sweep(self) -> None:
+        """Every second, :meth:`_sweep` (a flood of INVITEs the library keeps but never hands over stays bounded)."""
+        while True:
+            await asyncio.sleep(1.0)
+            self._sweep()
+
     def _ended(self, dialog_id: str, why: str) -> None:
         call = self._by_dialog.get(dialog_id)
         if call is not None:
@@ -195,8 +208,7 @@ class Phones:
             await call.wait_closed()
             self.calls.pop(call.id, None)
             self._by_dialog.pop(invite.call_id, None)
-            for agent in self._agents:
-                internals.forget_call(agent, invite.call_id)
+            self._sweep()
             if counted:
                 connections.leave(call.client)
 
