@@ -141,6 +141,28 @@ def transferred(target: str) -> str:
     )
 
 
+def cancelled(after_ms: int) -> str:
+    """A call the caller gives up on while it rings (CANCEL, answered 200, the INVITE then 487, ACKed)."""
+    line = """
+      Via: SIP/2.0/[transport] [local_ip]:[local_port];branch=[branch-{back}]
+      From: sipp <sip:sipp@[local_ip]:[local_port]>;tag=[pid]SIPpTag00[call_number]
+      To: <sip:agent@[remote_ip]:[remote_port]>{tag}
+      Call-ID: [call_id]
+      CSeq: 1 {method}
+      Max-Forwards: 70
+      Content-Length: 0
+"""
+    cancel = line.format(back=4, tag="", method="CANCEL")
+    ack = line.format(back=7, tag="[peer_tag_param]", method="ACK")
+    return _scenario(
+        9,
+        f'<recv response="180"/><pause milliseconds="{after_ms}"/>'
+        f"<send><![CDATA[\n      CANCEL sip:agent@[remote_ip]:[remote_port] SIP/2.0{cancel}    ]]></send>"
+        '<recv response="200"/><recv response="487"/>'
+        f"<send><![CDATA[\n      ACK sip:agent@[remote_ip]:[remote_port] SIP/2.0{ack}    ]]></send>",
+    )
+
+
 def refused(status: int) -> str:
     """A call refused with ``status`` (perhaps after ringing); the caller ACKs the refusal."""
     ack = """

@@ -22,7 +22,7 @@ from conftest import RealtimeClient, eventually, live_server, run, silence, tone
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from openai import AsyncOpenAI
-from sip_clients import answered, refused, sipp, transferred, ulaw
+from sip_clients import answered, cancelled, refused, sipp, transferred, ulaw
 
 SECRET = "whsec_" + base64.b64encode(b"a test secret of thirty-two bytes").decode()
 
@@ -473,3 +473,25 @@ def test_mutated_invites_over_udp_and_tcp_leave_no_call_slot_or_port_behind() ->
 
 async def _no_calls(server: Any) -> bool:
     return not server.phones.calls
+
+
+def test_a_caller_who_gives_up_while_it_rings_frees_the_slot_and_cannot_be_accepted_after(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with Webhook() as hook:
+            url = f"http://127.0.0.1:{hook.port}/hook"
+            async with live_server(pool_size=1, sip_port=0, sip_webhook_url=url) as server:
+                assert server.phones is not None
+                client = AsyncOpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused")
+                rc, out = await sipp(tmp_path, cancelled(300), server.phones.port)
+                assert rc == 0, out[-3000:]
+                _, body = await asyncio.wait_for(hook.posts.get(), 5)
+                call_id = json.loads(body)["data"]["call_id"]
+                assert await eventually(lambda: _free(server, 1), 5)
+                try:
+                    await client.realtime.calls.accept(call_id, type="realtime")
+                    raise AssertionError("a cancelled call was accepted")
+                except Exception as exc:
+                    assert getattr(exc, "status_code", None) == 404, exc
+                assert not server.phones.calls
+
+    run(scenario())
