@@ -21,7 +21,7 @@ from aiosipua.incoming_call import IncomingCall
 from websockets.exceptions import ConnectionClosed
 
 from s2s_rt.audio import AudioFormat
-from s2s_rt.server.playout import Playout
+from s2s_rt.server.playout import CallEnded, Playout
 
 log = logging.getLogger(__name__)
 
@@ -34,16 +34,6 @@ HEARD_FORMAT = AudioFormat("audio/pcm", RATE)
 HEARD_DELAY_MS = 60.0
 #: Events the application's WebSocket may have sent and the session not yet read before the call ends.
 MAX_WAITING_EVENTS = 4096
-
-
-class CallGone(ConnectionClosed):
-    """The phone call is over (a kind of closed connection)."""
-
-    def __init__(self) -> None:
-        super().__init__(None, None)
-
-    def __str__(self) -> str:
-        return "the call ended"
 
 
 class PhoneCall:
@@ -91,7 +81,7 @@ class PhoneCall:
 
     async def send(self, message: Any, *, text: bool | None = True) -> None:
         if self.gone.is_set():
-            raise CallGone
+            raise CallEnded
         watcher = self.watcher
         if watcher is None:
             return  # nobody watches the call: its events are not kept

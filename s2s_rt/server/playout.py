@@ -17,8 +17,20 @@ from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
+from websockets.exceptions import ConnectionClosed
 
 from s2s_rt.audio import AudioFormat, resample
+
+
+class CallEnded(ConnectionClosed):
+    """The call is over (a WebRTC call's channel or peer connection, a phone call's dialog): a kind of closed
+    connection, as the session's send loop sees it."""
+
+    def __init__(self) -> None:
+        super().__init__(None, None)
+
+    def __str__(self) -> str:
+        return "the call ended"
 
 
 @dataclass(slots=True)

@@ -36,12 +36,11 @@ from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCSession
 from aiortc.jitterbuffer import JitterBuffer
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 from av import AudioFrame
-from websockets.exceptions import ConnectionClosed
 
 from s2s_rt.audio import AudioFormat, resample
 from s2s_rt.pipeline.ports import EventTooLarge
 from s2s_rt.server import internals
-from s2s_rt.server.playout import Playout
+from s2s_rt.server.playout import CallEnded, Playout
 
 log = logging.getLogger(__name__)
 
@@ -59,16 +58,6 @@ CHANNEL_HIGH_WATER = 1 << 20
 EVENTS_LABEL = "oai-events"
 #: Events a call's data channel may have delivered and its session not yet read before the call ends.
 MAX_WAITING_EVENTS = 4096
-
-
-class CallClosed(ConnectionClosed):
-    """The call's data channel or peer connection is gone (a kind of closed connection)."""
-
-    def __init__(self) -> None:
-        super().__init__(None, None)
-
-    def __str__(self) -> str:
-        return "the call ended"
 
 
 class Playback(Playout, MediaStreamTrack):
@@ -154,7 +143,7 @@ class Call:
     async def send(self, message: Any, *, text: bool | None = True) -> None:
         channel = self.channel
         if self.gone.is_set() or channel is None or channel.readyState != "open":
-            raise CallClosed
+            raise CallEnded
         data = bytes(message) if isinstance(message, (bytes, bytearray, memoryview)) else str(message).encode()
         limit = max_message_size(channel)
         if limit and len(data) > limit:
@@ -290,7 +279,7 @@ class Call:
         finally:
             gone.cancel()
         if self.gone.is_set():
-            raise CallClosed
+            raise CallEnded
 
 
 #: A call whose peer has gone without a word (a closed tab, a crashed phone, a lost network) is noticed
