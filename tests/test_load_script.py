@@ -237,3 +237,22 @@ def test_load_script_sends_slower_than_real_time_and_the_server_decides_the_same
     assert real["transcript"].split(" crc ")[0] == slow["transcript"].split(" crc ")[0], (real, slow)
     waited = [t["intervals_s"]["end of speech → speech_stopped"] for t in (real, slow)]
     assert 2.0 < waited[1] / waited[0] < 4.0, waited
+
+
+def test_transports_mode_measures_a_phone_call_beside_websocket_and_webrtc(tmp_path: Path) -> None:
+    out = tmp_path / "report.json"
+    argv = [sys.executable, str(ROOT / "bin" / "s2s-rt-load"), "--mode", "transports", "--spawn", "--stack", "fake"]
+    argv += ["--turns", "2", "--sessions", "2", "--step-s", "2", "--json", str(out)]
+    argv += ["--speech-cache", str(tmp_path / "speech"), *QUICK]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(out.read_text())
+    assert report["ok"] is True
+    kinds = [t["transport"] for t in report["turns"]]
+    assert sorted(kinds) == ["sip", "sip", "webrtc", "webrtc", "websocket", "websocket"]
+    for kind in ("websocket", "webrtc", "sip"):
+        latency = report[kind]["eos_to_first_audio_s"]
+        # Heard after the end of speech, past the turn's silence (300 ms) and before a second has gone by.
+        assert latency["n"] == 2 and 0.3 <= latency["p50"] < 1.5, (kind, latency)
+        idle = report[kind]["idle_server_cores_per_session"]
+        assert len(idle) == 2 and all(v is not None and v > 0 for v in idle), (kind, idle)

@@ -41,6 +41,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     )
     target.add_argument("--server-arg", action="append", default=[], help="extra argument to `serve`")
     target.add_argument("--server-log", help="where the spawned server's log goes (default: a temp file)")
+    target.add_argument(
+        "--sip-port", type=int, help="the server's SIP port, for phone calls in transports mode (with --spawn: chosen)"
+    )
     load = p.add_argument_group("load")
     load.add_argument("--sessions", type=int, default=1, help="concurrent sessions (talk)")
     load.add_argument("--turns", type=int, default=20, help="spoken turns per session (talk)")
@@ -143,8 +146,16 @@ async def run_async(opts: argparse.Namespace) -> dict[str, Any]:
     server: ServerHandle
     if opts.spawn:
         log = Path(opts.server_log) if opts.server_log else None
+        extra = list(opts.server_arg)
+        if opts.mode == "transports" and opts.sip_port is None:
+            from s2s_rt.bench.phone import free_port
+
+            # Phone calls ring at the load script's webhook, which accepts each with the turn's settings.
+            opts.sip_port, opts.sip_webhook_port = free_port("127.0.0.1"), free_port("127.0.0.1")
+            hook = f"http://127.0.0.1:{opts.sip_webhook_port}/incoming"
+            extra += ["--sip-port", str(opts.sip_port), "--sip-webhook", hook]
         server = await asyncio.to_thread(
-            ServerHandle.spawn, opts.stack, opts.pool_size, env=server_env(opts), extra=opts.server_arg, log_path=log
+            ServerHandle.spawn, opts.stack, opts.pool_size, env=server_env(opts), extra=extra, log_path=log
         )
         if not opts.quiet:
             print(f"spawned server pid {server.pid} at {server.url} (log {server.log_path})", file=sys.stderr)

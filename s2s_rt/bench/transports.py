@@ -1,4 +1,4 @@
-"""Transports mode: the same spoken questions over WebSocket and over WebRTC, alternately, in one run.
+"""Transports mode: the same spoken questions over WebSocket, WebRTC and SIP, in turn, in one run.
 
 Each turn opens a fresh session on one transport (they alternate, so both
 see the same machine and the same moment), configures it as the talk mode
@@ -10,7 +10,10 @@ measures, on the client:
 - over WebRTC: from the moment the microphone track played the last voiced
   sample to the first non-silent frame on the answer's track (so this one
   also includes Opus both ways and the receiver's jitter buffer, which a
-  WebSocket client's own playback would add in its place).
+  WebSocket client's own playback would add in its place);
+- over SIP (a phone call, answered with the default session): from the RTP
+  packet that carried the last voiced sample to the first non-silent packet
+  heard back (G.711 both ways, the caller's jitter buffer of one packet).
 
 Then it holds ``--sessions`` sessions of each kind open at once, streaming
 silence, and reads the server's CPU per session from ``/proc``: what an
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import json
 import time
 from typing import Any
@@ -30,6 +34,7 @@ from typing import Any
 from websockets.asyncio.client import connect
 
 from s2s_rt.bench.call import CallClient
+from s2s_rt.bench.phone import Answering, PhoneClient
 from s2s_rt.bench.procfs import machine_info
 from s2s_rt.bench.server import ServerHandle, turn_log_breakdown
 from s2s_rt.bench.stats import summarize
@@ -122,6 +127,31 @@ async def webrtc_turn(opts: argparse.Namespace, server: ServerHandle, clip: Clip
         await call.close()
 
 
+async def sip_turn(opts: argparse.Namespace, server: ServerHandle, clip: Clip) -> dict[str, Any]:
+    """A phone call's turn: from the last voiced sample's RTP packet sent to the first sound heard back.
+
+    The load script's webhook accepts the call with the turn's settings (:class:`~s2s_rt.bench.phone.Answering`),
+    as an application would; the call's audio starts once it is answered.
+    """
+    phone = await PhoneClient.dial("127.0.0.1", opts.sip_port)
+    try:
+        end_of_speech = phone.speak(clip.pcm)
+        phone.speak(bytes(int(RATE * 1.5) * 2))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + opts.turn_timeout_s
+        heard = None
+        while heard is None and loop.time() < deadline:
+            await asyncio.sleep(0.1)
+            heard = phone.first_sound_after(end_of_speech, SOUND)
+        await asyncio.sleep(0.5)
+        done: dict[str, Any] = {
+            "response": {"status": "completed" if heard is not None else "incomplete", "output": []}
+        }
+        return _turn("sip", clip, end_of_speech, heard, done, None)
+    finally:
+        await phone.close()
+
+
 def _turn(
     transport: str, clip: Clip, end_of_speech: float, heard: float | None, done: dict[str, Any], stopped: float | None
 ) -> dict[str, Any]:
@@ -159,6 +189,16 @@ async def held_open(opts: argparse.Namespace, server: ServerHandle, kind: str, s
                 await asyncio.sleep(max(0.0, start + sent / 50 - time.perf_counter()))
             reader.cancel()
 
+    async def sip() -> None:
+        phone = await PhoneClient.dial("127.0.0.1", opts.sip_port)
+        try:
+            ready[0] += 1
+            if ready[0] == n:
+                opened.set()
+            await stop.wait()  # it sends silence all the while, 50 packets a second
+        finally:
+            await phone.close()
+
     async def webrtc() -> None:
         call = await CallClient.open(f"{server.http}/v1", "unused")
         try:
@@ -169,7 +209,8 @@ async def held_open(opts: argparse.Namespace, server: ServerHandle, kind: str, s
         finally:
             await call.close()
 
-    tasks = [asyncio.create_task(websocket() if kind == "websocket" else webrtc()) for _ in range(n)]
+    kinds = {"websocket": websocket, "webrtc": webrtc, "sip": sip}
+    tasks = [asyncio.create_task(kinds[kind]()) for _ in range(n)]
     async with asyncio.timeout(60):
         await opened.wait()
     await asyncio.sleep(2.0)  # settled
@@ -188,20 +229,30 @@ async def _discard(ws: Any) -> None:
 
 
 async def run_transports(opts: argparse.Namespace, server: ServerHandle, clips: list[Clip]) -> dict[str, Any]:
+    async with contextlib.AsyncExitStack() as stack:
+        if getattr(opts, "sip_webhook_port", None):
+            await stack.enter_async_context(Answering(f"{server.http}/v1", _settings(opts), opts.sip_webhook_port))
+        return await _run_transports(opts, server, clips)
+
+
+async def _run_transports(opts: argparse.Namespace, server: ServerHandle, clips: list[Clip]) -> dict[str, Any]:
     t0 = time.perf_counter()
     turns: list[dict[str, Any]] = []
-    idle: dict[str, list[dict[str, Any]]] = {"websocket": [], "webrtc": []}
+    kinds = ["websocket", "webrtc"] + (["sip"] if opts.sip_port else [])
+    turn_of = {"websocket": websocket_turn, "webrtc": webrtc_turn, "sip": sip_turn}
+    idle: dict[str, list[dict[str, Any]]] = {kind: [] for kind in kinds}
     # A first turn on each, not counted: the models' first calls are slower.
-    for warm in (websocket_turn, webrtc_turn):
-        await warm(opts, server, clips[0])
+    for kind in kinds:
+        await turn_of[kind](opts, server, clips[0])
     for m in range(opts.turns):
         clip = clips[m % len(clips)]
-        order = (websocket_turn, webrtc_turn) if m % 2 == 0 else (webrtc_turn, websocket_turn)
-        for turn in order:
-            turns.append(await turn(opts, server, clip))
+        # Each transport goes first in turn, so that none always follows the same one.
+        order = kinds[m % len(kinds) :] + kinds[: m % len(kinds)]
+        for kind in order:
+            turns.append(await turn_of[kind](opts, server, clip))
             await asyncio.sleep(opts.pause_s)
     for _ in range(2):
-        for kind in ("websocket", "webrtc"):
+        for kind in kinds:
             idle[kind].append(await held_open(opts, server, kind, opts.step_s))
     report: dict[str, Any] = {
         "tool": "s2s-rt bench",
@@ -214,7 +265,7 @@ async def run_transports(opts: argparse.Namespace, server: ServerHandle, clips: 
         "turns": turns,
         "idle": idle,
     }
-    for kind in ("websocket", "webrtc"):
+    for kind in kinds:
         mine = [t for t in turns if t["transport"] == kind and t["eos_to_first_audio_s"] is not None]
         report[kind] = {
             "eos_to_first_audio_s": summarize([t["eos_to_first_audio_s"] for t in mine]),
@@ -238,7 +289,7 @@ def format_transports(report: dict[str, Any]) -> list[str]:
     def ms(value: Any) -> str:
         return "-" if value is None else f"{1000 * value:.0f} ms"
 
-    for kind in ("websocket", "webrtc"):
+    for kind in [k for k in ("websocket", "webrtc", "sip") if k in report]:
         r = report[kind]
         lat, srv = r["eos_to_first_audio_s"], r["speech_stopped_to_first_audio_s"]
         idle = ", ".join(f"{100 * v:.2f}% of a core" for v in r["idle_server_cores_per_session"] if v is not None)

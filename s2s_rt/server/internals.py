@@ -246,3 +246,4 @@ class SipUdp(UdpSipTransport):
         loop = asyncio.get_running_loop()
         transport, _ = await loop.create_datagram_endpoint(lambda: _Datagrams(self), local_addr=self.local_addr)
         setattr(self, "_udp_transport", transport)  # noqa: B010
+        self.local_addr = transport.get_extra_info("sockname")[:2]  # the port bound, when 0 was asked
