@@ -44,6 +44,8 @@ class Ear:
         self.packets = 0
         self.loud_samples = 0
         self.payload_types: set[int] = set()
+        #: (arrival time, samples, any of them loud) per packet.
+        self.arrivals: list[tuple[float, int, bool]] = []
 
     async def listen(self, seconds: float) -> None:
         loop = asyncio.get_running_loop()
@@ -59,7 +61,9 @@ class Ear:
             self.payload_types.add(data[1] & 0x7F)
             payload = np.frombuffer(data[12:], dtype=np.uint8)
             # μ-law silence is 0xFF/0x7F; A-law's 0xD5/0x55: anything else far from them is sound.
-            self.loud_samples += int(np.count_nonzero((payload & 0x7F) < 0x70))
+            loud = int(np.count_nonzero((payload & 0x7F) < 0x70))
+            self.loud_samples += loud
+            self.arrivals.append((time.perf_counter(), len(payload), loud > 0))
 
     def close(self) -> None:
         self.sock.close()
@@ -497,5 +501,50 @@ def test_a_caller_who_gives_up_while_it_rings_frees_the_slot_and_cannot_be_accep
                 except Exception as exc:
                     assert getattr(exc, "status_code", None) == 404, exc
                 assert not server.phones.calls
+
+    run(scenario())
+
+
+def test_barge_in_on_a_call_truncates_the_answer_at_what_the_caller_heard(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with Webhook() as hook:
+            url = f"http://127.0.0.1:{hook.port}/hook"
+            async with live_server(pool_size=1, sip_port=0, sip_webhook_url=url) as server:
+                assert server.phones is not None
+                client = AsyncOpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused")
+                ear = Ear()
+                # The caller says nothing for 3.5 s, then speaks over the answer for 0.8 s.
+                words = np.frombuffer(
+                    silence(3.5, rate=8000) + tone(300, 0.8, rate=8000) + silence(3.0, rate=8000), "<i2"
+                )
+                caller = asyncio.create_task(
+                    sipp(tmp_path, answered(7500, ear.port), server.phones.port, audio=ulaw(words))
+                )
+                listening = asyncio.create_task(ear.listen(10.0))
+                call_id = json.loads((await hook.rung(caller))[1])["data"]["call_id"]
+                await client.realtime.calls.accept(call_id, type="realtime")
+                async with RealtimeClient.connect(server, path=f"/v1/realtime?call_id={call_id}") as app:
+                    # A long answer (120 ms of tone per word on the fake stack): about 6 s to play.
+                    item = {
+                        "type": "message",
+                        "role": "user",
+                        "content": [{"type": "input_text", "text": "word " * 50}],
+                    }
+                    await app.send("conversation.item.create", item=item)
+                    await app.send("response.create")
+                    started = await app.until("output_audio_buffer.started", 10)
+                    cleared = await app.until("output_audio_buffer.cleared", 10)
+                    cleared_at = time.perf_counter()
+                    truncated = await app.until("conversation.item.truncated", 5)
+                    assert cleared["response_id"] == started["response_id"]
+                rc, out = await caller
+                await listening
+                ear.close()
+                assert rc == 0, out[-3000:]
+                first = next(t for t, _, loud in ear.arrivals if loud)
+                heard_ms = 1000 * sum(n for t, n, _ in ear.arrivals if first <= t <= cleared_at) / 8000
+                print(f"\nplayed {truncated['audio_end_ms']} ms by the server's count, heard {heard_ms:.0f} ms here")
+                assert 500 <= heard_ms <= 5000
+                assert abs(truncated["audio_end_ms"] - heard_ms) <= 150
 
     run(scenario())
