@@ -181,6 +181,11 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as exc:
             print(f"s2s-rt: {exc}", file=sys.stderr)
             return 2
+        if args.workers is not None and config.sip_port is not None:
+            # Each process would bind the same SIP port and media range: start them one by one instead.
+            print("s2s-rt: --workers with SIP: start each process with its own --sip-port, --sip-media-ports and"
+                  " --sip-webhook (deploy/README.md, Phone calls over SIP)", file=sys.stderr)  # fmt: skip
+            return 2
         if args.workers is not None:
             from s2s_rt.workers import run_workers, worker_devices
 

@@ -187,7 +187,7 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     sip_port: int | None = None
     #: The address SIP and its RTP media listen on, and the one the SDP answer names (a reachable one).
     sip_host: str = "127.0.0.1"
-    #: UDP ports for the calls' RTP, ``LOW-HIGH`` (each call takes one).
+    #: UDP ports for the calls' media, ``LOW-HIGH``: each call takes two (RTP on an even port, RTCP the next).
     sip_media_ports: str = "30000-30999"
     #: Where ``realtime.call.incoming`` is posted (HTTP POST, JSON) when a call rings; the application then
     #: accepts or rejects it (``POST /v1/realtime/calls/{call_id}/accept``). None: see :attr:`sip_accept`.

@@ -548,3 +548,9 @@ def test_barge_in_on_a_call_truncates_the_answer_at_what_the_caller_heard(tmp_pa
                 assert abs(truncated["audio_end_ms"] - heard_ms) <= 150
 
     run(scenario())
+
+
+def test_workers_refuse_sip_rather_than_bind_one_port_twice() -> None:
+    from s2s_rt.cli import main
+
+    assert main(["serve", "--workers", "2", "--sip-port", "5099", "--stack", "fake"]) == 2
