@@ -340,8 +340,11 @@ async function explainRefusal() {
 class WebRtcTransport {
   constructor(token, microphone, audio) {
     this.token = token;
-    // A track of its own, so that muting it (push to talk) leaves the page's level meter alone.
+    // A track of its own, so that muting it (push to talk) leaves the page's level meter alone. It starts
+    // muted: media may flow before the data channel opens, and only then does the page know the mode
+    // (push to talk must send nothing before the button is held).
     this.track = microphone.clone();
+    this.track.enabled = false;
     this.audio = audio;
     this.pc = null;
     this.channel = null;
