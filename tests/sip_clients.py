@@ -224,9 +224,10 @@ async def sipp(
     )  # fmt: skip
     try:
         out, _ = await asyncio.wait_for(process.communicate(), timeout + 10)
-    except TimeoutError:
-        process.kill()
-        await process.wait()
+    except BaseException:  # timed out, or the test ended first (cancelled): SIPp never outlives it
+        if process.returncode is None:
+            process.kill()
+            await asyncio.shield(process.wait())
         raise
     return int(process.returncode or 0), out.decode(errors="replace")
 
