@@ -145,14 +145,20 @@ class CallClient:
 
     def first_sound_after(self, start: float, level: float = 0.01) -> float | None:
         """When the first frame louder than ``level`` (RMS, full scale 1) arrived after ``start``."""
-        for t, pcm in self.heard:
-            if t >= start:
-                samples = np.frombuffer(pcm, dtype="<i2").astype(np.float32) / 32768.0
-                if samples.size and float(np.sqrt(np.mean(samples**2))) > level:
-                    return t
-        return None
+        return first_sound_after(self.heard, start, level)
 
     async def close(self) -> None:
         for task in self._tasks:
             task.cancel()
         await self.pc.close()
+
+
+def first_sound_after(heard: list[tuple[float, bytes]], start: float, level: float) -> float | None:
+    """When the first of ``heard`` (arrival time, PCM16) louder than ``level`` (RMS, full scale 1) arrived
+    after ``start``: a call's answer as its caller hears it, over WebRTC or a phone line."""
+    for t, pcm in heard:
+        if t >= start:
+            samples = np.frombuffer(pcm, dtype="<i2").astype(np.float32) / 32768.0
+            if samples.size and float(np.sqrt(np.mean(samples**2))) > level:
+                return t
+    return None

@@ -14,7 +14,6 @@ import socket
 import time
 from typing import Any
 
-import numpy as np
 from aiortp import RTPSession
 from aiosipua.message import SipResponse
 from aiosipua.outgoing_call import OutgoingCall
@@ -22,6 +21,7 @@ from aiosipua.sdp import parse_sdp
 from aiosipua.uac import SipUAC
 
 from s2s_rt.audio import float_to_pcm16, pcm16_to_float, resample
+from s2s_rt.bench.call import first_sound_after
 from s2s_rt.server import internals
 
 RATE = 8_000
@@ -100,12 +100,7 @@ class PhoneClient:
 
     def first_sound_after(self, start: float, level: float) -> float | None:
         """When the first packet louder than ``level`` (RMS, full scale 1) arrived after ``start``."""
-        for t, pcm in self.heard:
-            if t >= start:
-                samples = np.frombuffer(pcm, dtype="<i2").astype(np.float32) / 32768.0
-                if samples.size and float(np.sqrt(np.mean(samples**2))) > level:
-                    return t
-        return None
+        return first_sound_after(self.heard, start, level)
 
     async def close(self) -> None:
         if self._sender is not None:
