@@ -24,6 +24,7 @@ import functools
 import json
 import re
 import threading
+import time
 import urllib.request
 import wave
 from collections.abc import Iterator
@@ -158,6 +159,33 @@ def events(page: Page, kind: str) -> list[dict[str, Any]]:
     return list(page.eval(f"s2s.transportEvents.filter((e) => e.type === {json.dumps(kind)})"))
 
 
+def mute_and_settle(page: Page) -> None:
+    """Mute the microphone and wait until a turn it began before the mute is over.
+
+    The fake microphone says a tone every 5 s from the moment the page captures; one caught by the mute
+    is still a turn (committed at the mute's silence, transcribed, answered), and an answer of it would
+    otherwise land in the middle of the test's own turn. Frames sent before the mute reach the server
+    within the pause below; after it, no speech starts, so equal counts of started and stopped speech
+    and of created and done responses, held for a second (a commit's response is created just after it),
+    mean nothing more comes from the microphone.
+    """
+    page.eval("session.mute(true)")
+    time.sleep(0.5)
+    count = "(t) => s2s.transportEvents.filter((e) => e.type === t).length"
+    quiet = (
+        f"(({count})('input_audio_buffer.speech_started') === ({count})('input_audio_buffer.speech_stopped'))"
+        f" && (({count})('response.created') === ({count})('response.done'))"
+    )
+    deadline = time.monotonic() + 20
+    quiet_since = None
+    while (now := time.monotonic()) < deadline:
+        quiet_since = (quiet_since or now) if page.eval(quiet) else None
+        if quiet_since is not None and now - quiet_since >= 1.0:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the microphone's turn did not settle: {[e['type'] for e in page.eval('s2s.transportEvents')]}")
+
+
 def test_a_spoken_turn_from_the_microphone_gets_a_spoken_answer(session: Page) -> None:
     page = session
     done = page.wait_for(
@@ -196,7 +224,7 @@ def test_a_spoken_turn_from_the_microphone_gets_a_spoken_answer(session: Page) -
 
 def test_a_tool_call_runs_the_agents_tool_and_its_result_comes_back_in_the_answer(session: Page) -> None:
     page = session
-    page.eval("session.mute(true)")  # the microphone is out of the way: no barge-in on this turn
+    mute_and_settle(page)  # the microphone is out of the way: no barge-in or turn of its own on this one
     page.eval("session.sendMessage('please get_weather Paris')")
     page.wait_for("s2s.toolEnds.length > 0", timeout=20)
     assert page.eval("s2s.toolStarts") == ["get_weather"]
@@ -237,7 +265,7 @@ def test_a_hosted_mcp_tool_is_listed_and_called_by_the_server_and_agents_js_asks
     # The agent's own function is renamed: the MCP server's get_weather is another tool.
     with connected_page(browser, server, page_url, toolName="lookup_forecast", mcp=hosted) as page:
         page.wait_for("s2s.mcpTools.includes('get_weather')", timeout=20)
-        page.eval("session.mute(true)")
+        mute_and_settle(page)
         page.eval("session.sendMessage('please get_weather Oslo')")
         page.wait_for("s2s.mcpCalls.length > 0", timeout=20)
         [call] = page.eval("s2s.mcpCalls")
