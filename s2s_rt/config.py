@@ -198,6 +198,8 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     sip_accept: bool = False
     #: A ringing call neither accepted nor rejected this long after its webhook is refused (480).
     sip_answer_timeout_s: float = 10.0
+    #: An answered call whose caller has sent no RTP this long after the 200 OK is hung up (BYE).
+    sip_media_timeout_s: float = 10.0
     #: The longest ``expires_after.seconds`` a client secret may ask for (OpenAI's bound: two hours).
     max_client_secret_s: int = 7200
     #: Let the page at ``/`` get a client secret (``POST /page/client_secret``) without a key, when keys are on.
@@ -279,6 +281,8 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ConfigError(f"sip_webhook_url must be an http:// or https:// URL, not {self.sip_webhook_url!r}")
         if not 0 < self.sip_answer_timeout_s <= 600:
             raise ConfigError("sip_answer_timeout_s must be above 0 and at most 600")
+        if not 0 < self.sip_media_timeout_s <= 600:
+            raise ConfigError("sip_media_timeout_s must be above 0 and at most 600")
         if not 10 <= self.max_client_secret_s <= 86400:
             raise ConfigError("max_client_secret_s must be 10..86400")
         if self.media_ports is not None:

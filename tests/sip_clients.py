@@ -141,6 +141,30 @@ def transferred(target: str) -> str:
     )
 
 
+def silent(hears_on: int, *, bye_within_ms: int) -> str:
+    """A call answered whose caller never sends media; the server must hang up (BYE, answered 200) in time."""
+    ok = """
+  <send>
+    <![CDATA[
+      SIP/2.0 200 OK
+      [last_Via:]
+      [last_From:]
+      [last_To:]
+      [last_Call-ID:]
+      [last_CSeq:]
+      Content-Length: 0
+    ]]>
+  </send>
+"""
+    return _scenario(
+        hears_on,
+        '<recv response="180" optional="true"/><recv response="200" rtd="true"/>'
+        + ACK_2XX
+        + f'<recv request="BYE" timeout="{bye_within_ms}"/>'
+        + ok,
+    )
+
+
 def cancelled(after_ms: int) -> str:
     """A call the caller gives up on while it rings (CANCEL, answered 200, the INVITE then 487, ACKed)."""
     line = """

@@ -18,11 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 from conftest import RealtimeClient, eventually, live_server, run, silence, tone
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from openai import AsyncOpenAI
-from sip_clients import answered, cancelled, refused, sipp, transferred, ulaw
+from sip_clients import answered, cancelled, refused, silent, sipp, transferred, ulaw
 
 SECRET = "whsec_" + base64.b64encode(b"a test secret of thirty-two bytes").decode()
 
@@ -438,7 +439,7 @@ def test_mutated_invites_over_udp_and_tcp_leave_no_call_slot_or_port_behind() ->
     collect()
 
     async def scenario() -> None:
-        async with live_server(pool_size=2, sip_port=0, sip_accept=True, idle_session_s=1.5) as server:
+        async with live_server(pool_size=2, sip_port=0, sip_accept=True, sip_media_timeout_s=1.5) as server:
             assert server.phones is not None
             port = server.phones.port
             udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -463,7 +464,7 @@ def test_mutated_invites_over_udp_and_tcp_leave_no_call_slot_or_port_behind() ->
                         pass
                 await asyncio.sleep(0.01)
             udp.close()
-            # Answered calls that never send RTP end when idle (1.5 s); declined and broken ones at once.
+            # Answered calls that never send RTP are hung up after 1.5 s; declined and broken ones at once.
             assert await eventually(lambda: _free(server, 2), 15)
             assert await eventually(lambda: _no_calls(server), 5), list(server.phones.calls)
             assert all(not agent.active_calls for agent in server.phones._agents)
@@ -554,3 +555,63 @@ def test_workers_refuse_sip_rather_than_bind_one_port_twice() -> None:
     from s2s_rt.cli import main
 
     assert main(["serve", "--workers", "2", "--sip-port", "5099", "--stack", "fake"]) == 2
+
+
+def test_a_call_that_never_sends_media_is_hung_up_and_its_slot_comes_back(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with live_server(pool_size=1, sip_port=0, sip_accept=True, sip_media_timeout_s=1.5) as server:
+            assert server.phones is not None
+            began = time.monotonic()
+            # SIPp fails unless the server's BYE comes within 6 s of the answer.
+            rc, out = await sipp(tmp_path, silent(9, bye_within_ms=6000), server.phones.port, timeout=15)
+            took = time.monotonic() - began
+            assert rc == 0, out[-3000:]
+            assert took >= 1.5, took  # not before the caller had its time
+            assert await eventually(lambda: _free(server, 1), 5)
+            assert not server.phones.calls
+
+    run(scenario())
+
+
+def _rtp(seq: int, ssrc: int, payload: bytes) -> bytes:
+    """One RTP packet of G.711 μ-law (payload type 0)."""
+    head = bytes([0x80, 0x80 if seq == 0 else 0x00]) + seq.to_bytes(2, "big")
+    return head + (seq * len(payload)).to_bytes(4, "big") + ssrc.to_bytes(4, "big") + payload
+
+
+async def _speak_at(port: int, source: str, audio: bytes) -> None:
+    """Send ``audio`` (μ-law at 8 kHz) to ``127.0.0.1:port`` from ``source``, as RTP in real time."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.bind((source, 0))
+    try:
+        for seq, at in enumerate(range(0, len(audio), 160)):
+            sock.sendto(_rtp(seq, 0x5EED0000 + seq // 10_000, audio[at : at + 160]), ("127.0.0.1", port))
+            await asyncio.sleep(0.02)
+    finally:
+        sock.close()
+
+
+def test_media_sprayed_at_a_call_from_another_address_is_not_heard(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with live_server(pool_size=1, sip_port=0, sip_accept=True) as server:
+            assert server.phones is not None
+            # The caller says nothing (SIPp streams μ-law silence from 127.0.0.1) for 9 s.
+            caller = asyncio.create_task(sipp(tmp_path, answered(9000, 9), server.phones.port))
+            assert await eventually(lambda: _answered(server), 10)
+            [call] = server.phones.calls.values()
+            assert call.media is not None
+            port = call.media.sdp_answer.audio.port
+            words = ulaw(np.frombuffer(tone(300, 1.2, rate=8000) + silence(1.0, rate=8000), "<i2"))
+            async with RealtimeClient.connect(server, path=f"/v1/realtime?call_id={call.id}") as app:
+                # Someone else on the network (127.0.0.2) sends words to the call's media port: dropped.
+                await _speak_at(port, "127.0.0.2", words)
+                with pytest.raises(TimeoutError):
+                    await app.until("input_audio_buffer.speech_started", 1.0)
+                assert call.strays >= 100
+                # The same words from the caller's address (another port: a caller may send from one) are heard.
+                await _speak_at(port, "127.0.0.1", words)
+                await app.until("input_audio_buffer.speech_started", 5)
+            rc, out = await caller
+            assert rc == 0, out[-3000:]
+
+    run(scenario())

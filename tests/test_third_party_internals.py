@@ -17,6 +17,7 @@ import asyncio
 import collections
 import gc
 import logging
+import socket
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -375,5 +376,34 @@ def test_aiosipua_keeps_its_calls_where_a_refused_call_is_dropped_and_starts_its
             assert not agent.active_calls
         finally:
             await transport.stop()
+
+    run(scenario())
+
+
+def test_aiortp_hands_each_datagram_to_callbacks_the_guard_can_wrap() -> None:
+    from aiortp import RTPSession
+
+    async def scenario() -> None:
+        session = await RTPSession.create(local_addr=("127.0.0.1", 0), remote_addr=("127.0.0.1", 9), payload_type=0)
+        try:
+            seen: list[tuple[str, int]] = []
+            internals.guard_rtp(session, lambda addr: seen.append(addr) or addr[0] == "127.0.0.1")
+            heard: list[bytes] = []
+            session.on_audio = lambda pcm, ts: heard.append(pcm)
+            port = session._rtp_transport._transport.get_extra_info("sockname")[1]
+            packet = bytes([0x80, 0x80, 0, 1, 0, 0, 0, 160, 0, 0, 0, 7]) + bytes([0x10]) * 160
+            for source in ("127.0.0.2", "127.0.0.1"):
+                sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+                sock.bind((source, 0))
+                sock.sendto(packet, ("127.0.0.1", port))
+                sock.close()
+            for _ in range(100):
+                if len(seen) == 2 and session._remote_ssrc is not None:
+                    break
+                await asyncio.sleep(0.02)
+            assert [a[0] for a in seen] == ["127.0.0.2", "127.0.0.1"]
+            assert session._remote_ssrc == 7  # the caller's packet reached the session; the stranger's did not
+        finally:
+            await session.close()
 
     run(scenario())

@@ -55,6 +55,15 @@ aiosipua (``pyproject.toml``: >=0.7.1,<0.8; read in 0.7.1), used by
   ``DatagramTransport`` that Python 3.11's selector loop does not give (an
   ``AssertionError`` logged per start, the transport set anyway): subclassed
   without the check (:class:`SipUdp`).
+
+aiortp (``pyproject.toml``: >=0.8,<0.9; read in 0.8.0), under aiosipua's
+``CallSession``:
+
+- ``RTPSession._rtp_transport._on_rtp`` and ``._rtcp_transport._on_rtcp``,
+  the callbacks its UDP protocols hand each datagram with its source: wrapped
+  to drop what comes from an address other than the caller's
+  (:func:`guard_rtp`). The library takes RTP from anyone (each new SSRC
+  resets its jitter buffer), and has no filter of its own.
 """
 
 from __future__ import annotations
@@ -84,6 +93,7 @@ CHECKED = {
     "aiortc": "1.14.0 and 1.16.0",
     "aioice": "0.10.1, 0.12.0 and 0.13.0",
     "aiosipua": "0.7.1",
+    "aiortp": "0.8.0",
 }
 #: Where ``SipUAS`` keeps its calls, by SIP Call-ID.
 SIP_CALLS = "_calls"
@@ -247,3 +257,19 @@ class SipUdp(UdpSipTransport):
         transport, _ = await loop.create_datagram_endpoint(lambda: _Datagrams(self), local_addr=self.local_addr)
         setattr(self, "_udp_transport", transport)  # noqa: B010
         self.local_addr = transport.get_extra_info("sockname")[:2]  # the port bound, when 0 was asked
+
+
+def guard_rtp(rtp_session: Any, allowed: Any) -> None:
+    """Hand ``rtp_session`` (aiortp's ``RTPSession``) only the RTP and RTCP datagrams whose source address
+    ``allowed(addr)`` takes; the others are dropped before the library parses them."""
+    for name, hook in (("_rtp_transport", "_on_rtp"), ("_rtcp_transport", "_on_rtcp")):
+        transport = getattr(rtp_session, name, None)
+        inner = getattr(transport, hook, None)
+        if not callable(inner):
+            raise RuntimeError(gone("aiortp", f"RTPSession has no {name}.{hook}"))
+
+        def guarded(data: bytes, addr: Any, inner: Any = inner) -> None:
+            if allowed(addr):
+                inner(data, addr)
+
+        setattr(transport, hook, guarded)

@@ -11,6 +11,7 @@ the application's WebSocket when one watches the call.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import random
 from http import HTTPStatus
@@ -21,6 +22,7 @@ from aiosipua.incoming_call import IncomingCall
 from websockets.exceptions import ConnectionClosed
 
 from s2s_rt.audio import AudioFormat
+from s2s_rt.server import internals
 from s2s_rt.server.playout import CallEnded, Playout
 
 log = logging.getLogger(__name__)
@@ -71,6 +73,10 @@ class PhoneCall:
         #: The application's WebSocket watching the call, if one does.
         self.watcher: Any = None
         self.secret: str | None = None
+        #: When the caller's first RTP or RTCP packet came (loop time); None: none yet.
+        self.first_packet_at: float | None = None
+        #: Datagrams dropped because they came from another address than the caller's.
+        self.strays = 0
         self._sender: asyncio.Task[None] | None = None
 
     # --- the channel the session writes to -------------------------------------
@@ -99,8 +105,12 @@ class PhoneCall:
 
     # --- media -----------------------------------------------------------------
 
-    async def start_media(self, host: str, ports: range) -> Any:
+    async def start_media(self, host: str, ports: range, media_timeout_s: float) -> Any:
         """Bind the call's RTP on a free port of ``ports`` and start sending; the SDP answer.
+
+        Media is taken only from the caller: from the address its offer names or the one its INVITE
+        came from (any port); datagrams from elsewhere are dropped. A call whose caller has sent
+        nothing ``media_timeout_s`` after this ends (BYE).
 
         Raises:
             ValueError: the offer has no audio this server takes (G.711), or no address.
@@ -123,9 +133,24 @@ class PhoneCall:
             break
         media.on_audio = self._heard
         media.on_dtmf = self._pressed
+        offered = offer.rtp_address
+        callers = {self.invite.source_addr[0]} | ({offered[0]} if offered else set())
+        internals.guard_rtp(media.rtp_session, functools.partial(self._from_caller, frozenset(callers)))
         self.media = media
-        self._sender = asyncio.get_running_loop().create_task(self._send_audio(media), name=f"{self.id}-rtp")
+        sender = self._send_audio(media, media_timeout_s)
+        self._sender = asyncio.get_running_loop().create_task(sender, name=f"{self.id}-rtp")
         return media.sdp_answer
+
+    def _from_caller(self, callers: frozenset[str], addr: Any) -> bool:
+        """Whether a datagram from ``addr`` is the caller's (counted, and the first one's time kept)."""
+        if addr[0] not in callers:
+            self.strays += 1
+            if self.strays == 1:
+                log.info("phone call %s: media from %s, not the caller (%s), dropped", self.id, addr[0], callers)
+            return False
+        if self.first_packet_at is None:
+            self.first_packet_at = asyncio.get_running_loop().time()
+        return True
 
     def _heard(self, pcm: bytes, timestamp: int) -> None:
         hear = self.hear
@@ -143,10 +168,12 @@ class PhoneCall:
         if keypad is not None and not self.gone.is_set():
             keypad(digit)
 
-    async def _send_audio(self, media: CallSession) -> None:
-        """Every 20 ms, the next frame of what the session plays, while there is one (silence is not sent)."""
+    async def _send_audio(self, media: CallSession, media_timeout_s: float) -> None:
+        """Every 20 ms, the next frame of what the session plays, while there is one (silence is not sent);
+        the call ends if its caller has sent nothing within ``media_timeout_s``."""
         loop = asyncio.get_running_loop()
         start = loop.time()
+        silent_until = start + media_timeout_s
         ticks = 0
         playback = self.playback
         while not self.gone.is_set():
@@ -156,6 +183,9 @@ class PhoneCall:
                 await asyncio.sleep(wait)
             elif wait < -0.2:
                 start, ticks = loop.time(), 0  # the loop fell behind: count again rather than send a burst
+            if self.first_packet_at is None and loop.time() >= silent_until:
+                self.end(f"no media from the caller within {media_timeout_s:g} s")
+                return
             if playback.idle:
                 continue
             frame = playback.next_frame()

@@ -218,7 +218,9 @@ class Phones:
         invite = call.invite
         invite.ringing()
         if cfg.sip_webhook_url is not None:
-            asyncio.get_running_loop().create_task(self._post_incoming(call), name=f"{call.id}-webhook")
+            post = asyncio.get_running_loop().create_task(self._post_incoming(call), name=f"{call.id}-webhook")
+            self.tasks.add(post)  # kept until done (a failed post is logged; shutdown waits for it as for calls)
+            post.add_done_callback(self.tasks.discard)
             try:
                 answer = await asyncio.wait_for(asyncio.shield(call.answer), cfg.sip_answer_timeout_s)
             except TimeoutError:
@@ -240,7 +242,7 @@ class Phones:
         if update is not None:
             session.handle(update)
         try:
-            sdp = await call.start_media(cfg.sip_host, self.media_ports)
+            sdp = await call.start_media(cfg.sip_host, self.media_ports, cfg.sip_media_timeout_s)
         except (ValueError, OSError) as exc:
             log.info("phone call %s: no media: %s", call.id, exc)
             invite.reject(488 if isinstance(exc, ValueError) else 503)
