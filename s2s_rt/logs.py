@@ -41,3 +41,40 @@ def setup_logging(level: str = "info", fmt: str = "text") -> None:
     root.setLevel(level.upper())
     # websockets logs every HTTP request at INFO; our own lines say what matters.
     logging.getLogger("websockets").setLevel(logging.WARNING)
+
+
+class HostileInput(logging.Filter):
+    """A library's lines about what a network peer sent (a datagram that does not parse, a request its
+    handlers refuse): one line each, a warning without the traceback, and at most ``burst`` lines per
+    ``window_s`` for each message, so a flood of bad packets cannot flood the log. The line after a
+    quiet spell says how many were left out.
+
+    Attach it to the library's logger (``logging.getLogger("aiosipua.transport").addFilter(...)``).
+    """
+
+    def __init__(self, burst: int = 5, window_s: float = 10.0) -> None:
+        super().__init__()
+        self.burst = burst
+        self.window_s = window_s
+        #: Per message template: (the window's start, lines let through in it, lines left out since the last).
+        self._seen: dict[str, list[float]] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        now = time.monotonic()
+        key = str(record.msg)
+        start, passed, dropped = self._seen.get(key, (now, 0.0, 0.0))
+        if now - start >= self.window_s:
+            start, passed = now, 0.0
+        if passed >= self.burst:
+            self._seen[key] = [start, passed, dropped + 1]
+            return False
+        self._seen[key] = [start, passed + 1, 0.0]
+        if record.levelno > logging.WARNING or record.exc_info:
+            exc = record.exc_info[1] if record.exc_info else None
+            reason = f": {exc!r}"[:200].replace("%", "%%") if exc is not None else ""
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            record.msg = f"{record.msg}{reason}"
+            record.exc_info = record.exc_text = None
+        if dropped:
+            record.msg = f"{record.msg} ({int(dropped)} more like it left out)"
+        return True

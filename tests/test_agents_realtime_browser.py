@@ -183,7 +183,9 @@ def mute_and_settle(page: Page) -> None:
         if quiet_since is not None and now - quiet_since >= 1.0:
             return
         time.sleep(0.05)
-    raise AssertionError(f"the microphone's turn did not settle: {[e['type'] for e in page.eval('s2s.transportEvents')]}")
+    raise AssertionError(
+        f"the microphone's turn did not settle: {[e['type'] for e in page.eval('s2s.transportEvents')]}"
+    )
 
 
 def test_a_spoken_turn_from_the_microphone_gets_a_spoken_answer(session: Page) -> None:

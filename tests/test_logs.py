@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 
 import pytest
 from conftest import RealtimeClient, live_server, run, silence, tone
@@ -80,3 +81,38 @@ def test_a_spoken_turn_logs_its_waterfall_from_the_last_word(caplog: pytest.LogC
     assert turn["clause_tokens"] >= 1
     for step in ("silence", *order):
         assert f's2s_turn_waterfall_seconds_count{{step="{step}"}} 1' in metrics
+
+
+def test_a_librarys_lines_about_hostile_input_are_short_warnings_and_a_flood_of_them_is_cut() -> None:
+    from s2s_rt.logs import HostileInput
+
+    logger = logging.getLogger("test.peer.transport")
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    handler = Keep()
+    logger.addHandler(handler)
+    logger.propagate = False
+    cut = HostileInput(burst=3, window_s=0.2)
+    logger.addFilter(cut)
+    try:
+        for n in range(10):
+            try:
+                raise ValueError(f"bad 100% datagram {n}")
+            except ValueError:
+                logger.exception("Error in message callback for %s", ("10.0.0.1", 5060))
+        logger.warning("Failed to parse SIP message from %s", ("10.0.0.1", 5060))  # another message: its own count
+        time.sleep(0.25)
+        logger.exception("Error in message callback for %s", ("10.0.0.1", 5060))
+    finally:
+        logger.removeHandler(handler)
+        logger.removeFilter(cut)
+    lines = [(r.levelname, r.getMessage(), r.exc_info) for r in records]
+    assert len(lines) == 5, lines
+    assert all(level == "WARNING" and exc is None for level, _, exc in lines), lines
+    assert lines[0][1] == "Error in message callback for ('10.0.0.1', 5060): ValueError('bad 100% datagram 0')"
+    assert lines[3][1] == "Failed to parse SIP message from ('10.0.0.1', 5060)"
+    assert lines[4][1].endswith("(7 more like it left out)"), lines[4]

@@ -43,6 +43,7 @@ from websockets.datastructures import Headers
 from websockets.http11 import Response
 
 from s2s_rt.config import Config, port_range
+from s2s_rt.logs import HostileInput
 from s2s_rt.protocol.errors import ProtocolError
 from s2s_rt.protocol.server_events import GA, encode_event, new_id
 from s2s_rt.protocol.session import Session
@@ -54,6 +55,11 @@ from s2s_rt.server.posts import json_of
 from s2s_rt.server.secrets import session_update
 
 log = logging.getLogger(__name__)
+
+#: The SIP and RTP libraries' loggers that report what callers send (unparsable messages and packets):
+#: their lines are warnings without tracebacks, and a flood of them is cut (:class:`HostileInput`).
+PEER_LOGGERS = ("aiosipua.transport", "aiosipua.uas", "aiosipua.message", "aiortp.session", "aiortp.transport")
+_hostile_input = HostileInput()
 
 
 def sign_webhook(secret: str, webhook_id: str, timestamp: int, body: bytes) -> str:
@@ -123,7 +129,11 @@ class Phones:
     async def start(self) -> None:
         """Listen for SIP on ``sip_host:sip_port``, UDP and TCP (port 0: a free one, the same for both)."""
         cfg = self.config
-        port = cfg.sip_port or _free_port(cfg.sip_host)
+        for name in PEER_LOGGERS:
+            logger = logging.getLogger(name)
+            if _hostile_input not in logger.filters:
+                logger.addFilter(_hostile_input)
+        port = cfg.sip_port or free_port(cfg.sip_host)
         for transport in (
             internals.SipUdp(local_addr=(cfg.sip_host, port)),
             TcpSipTransport(local_addr=(cfg.sip_host, port)),
@@ -345,7 +355,7 @@ class Phones:
         return Response(HTTPStatus.OK.value, HTTPStatus.OK.phrase, Headers([("Content-Length", "0")]), b"")
 
 
-def _free_port(host: str) -> int:
+def free_port(host: str) -> int:
     """A port free for both UDP and TCP on ``host``."""
     for _ in range(50):
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
