@@ -198,8 +198,9 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     sip_accept: bool = False
     #: A ringing call neither accepted nor rejected this long after its webhook is refused (480).
     sip_answer_timeout_s: float = 10.0
-    #: An answered call whose caller has sent no RTP this long after the 200 OK is hung up (BYE).
-    sip_media_timeout_s: float = 10.0
+    #: An answered call whose caller has sent no RTP or RTCP for this long (since the 200 OK, or since its
+    #: last packet: a caller whose network or BYE was lost) is hung up (BYE). PBXs send RTP throughout a call.
+    sip_media_timeout_s: float = 20.0
     #: The longest ``expires_after.seconds`` a client secret may ask for (OpenAI's bound: two hours).
     max_client_secret_s: int = 7200
     #: Let the page at ``/`` get a client secret (``POST /page/client_secret``) without a key, when keys are on.

@@ -141,8 +141,9 @@ def transferred(target: str) -> str:
     )
 
 
-def silent(hears_on: int, *, bye_within_ms: int) -> str:
-    """A call answered whose caller never sends media; the server must hang up (BYE, answered 200) in time."""
+def silent(hears_on: int, *, bye_within_ms: int, talks_first: bool = False) -> str:
+    """A call answered whose caller sends no media (or, ``talks_first``, stops after its ``in.ulaw`` once);
+    the server must hang up (BYE, answered 200) in time."""
     ok = """
   <send>
     <![CDATA[
@@ -160,6 +161,7 @@ def silent(hears_on: int, *, bye_within_ms: int) -> str:
         hears_on,
         '<recv response="180" optional="true"/><recv response="200" rtd="true"/>'
         + ACK_2XX
+        + ('<nop><action><exec rtp_stream="in.ulaw,1,0"/></action></nop>' if talks_first else "")
         + f'<recv request="BYE" timeout="{bye_within_ms}"/>'
         + ok,
     )

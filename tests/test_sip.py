@@ -557,16 +557,20 @@ def test_workers_refuse_sip_rather_than_bind_one_port_twice() -> None:
     assert main(["serve", "--workers", "2", "--sip-port", "5099", "--stack", "fake"]) == 2
 
 
-def test_a_call_that_never_sends_media_is_hung_up_and_its_slot_comes_back(tmp_path: Path) -> None:
+@pytest.mark.parametrize("talks_first", [False, True], ids=["never", "stops after 2 s"])
+def test_a_call_whose_caller_sends_no_media_is_hung_up_and_its_slot_comes_back(
+    tmp_path: Path, talks_first: bool
+) -> None:
     async def scenario() -> None:
         async with live_server(pool_size=1, sip_port=0, sip_accept=True, sip_media_timeout_s=1.5) as server:
             assert server.phones is not None
             began = time.monotonic()
             # SIPp fails unless the server's BYE comes within 6 s of the answer.
-            rc, out = await sipp(tmp_path, silent(9, bye_within_ms=6000), server.phones.port, timeout=15)
+            calls = silent(9, bye_within_ms=6000, talks_first=talks_first)
+            rc, out = await sipp(tmp_path, calls, server.phones.port, timeout=15, audio=bytes([0xFF]) * 16000)
             took = time.monotonic() - began
             assert rc == 0, out[-3000:]
-            assert took >= 1.5, took  # not before the caller had its time
+            assert took >= 1.5 + (2.0 if talks_first else 0.0), took  # not while media came, nor soon after
             assert await eventually(lambda: _free(server, 1), 5)
             assert not server.phones.calls
 

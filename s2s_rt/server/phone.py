@@ -73,8 +73,8 @@ class PhoneCall:
         #: The application's WebSocket watching the call, if one does.
         self.watcher: Any = None
         self.secret: str | None = None
-        #: When the caller's first RTP or RTCP packet came (loop time); None: none yet.
-        self.first_packet_at: float | None = None
+        #: When the caller's last RTP or RTCP packet came (loop time); None: none yet.
+        self.last_packet_at: float | None = None
         #: Datagrams dropped because they came from another address than the caller's.
         self.strays = 0
         self._sender: asyncio.Task[None] | None = None
@@ -110,7 +110,7 @@ class PhoneCall:
 
         Media is taken only from the caller: from the address its offer names or the one its INVITE
         came from (any port); datagrams from elsewhere are dropped. A call whose caller has sent
-        nothing ``media_timeout_s`` after this ends (BYE).
+        nothing for ``media_timeout_s`` (from the answer, or since its last packet) ends (BYE).
 
         Raises:
             ValueError: the offer has no audio this server takes (G.711), or no address.
@@ -148,8 +148,7 @@ class PhoneCall:
             if self.strays == 1:
                 log.info("phone call %s: media from %s, not the caller (%s), dropped", self.id, addr[0], callers)
             return False
-        if self.first_packet_at is None:
-            self.first_packet_at = asyncio.get_running_loop().time()
+        self.last_packet_at = asyncio.get_running_loop().time()
         return True
 
     def _heard(self, pcm: bytes, timestamp: int) -> None:
@@ -170,10 +169,10 @@ class PhoneCall:
 
     async def _send_audio(self, media: CallSession, media_timeout_s: float) -> None:
         """Every 20 ms, the next frame of what the session plays, while there is one (silence is not sent);
-        the call ends if its caller has sent nothing within ``media_timeout_s``."""
+        the call ends when its caller has sent nothing for ``media_timeout_s``."""
         loop = asyncio.get_running_loop()
         start = loop.time()
-        silent_until = start + media_timeout_s
+        answered = start
         ticks = 0
         playback = self.playback
         while not self.gone.is_set():
@@ -183,8 +182,8 @@ class PhoneCall:
                 await asyncio.sleep(wait)
             elif wait < -0.2:
                 start, ticks = loop.time(), 0  # the loop fell behind: count again rather than send a burst
-            if self.first_packet_at is None and loop.time() >= silent_until:
-                self.end(f"no media from the caller within {media_timeout_s:g} s")
+            if loop.time() - (self.last_packet_at or answered) >= media_timeout_s:
+                self.end(f"no media from the caller for {media_timeout_s:g} s")
                 return
             if playback.idle:
                 continue
