@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import logging
 import socket
 import time
 from pathlib import Path
@@ -617,5 +618,45 @@ def test_media_sprayed_at_a_call_from_another_address_is_not_heard(tmp_path: Pat
                 await app.until("input_audio_buffer.speech_started", 5)
             rc, out = await caller
             assert rc == 0, out[-3000:]
+
+    run(scenario())
+
+
+def test_an_offer_without_g711_is_refused_before_it_rings_and_holds_no_slot(caplog: pytest.LogCaptureFixture) -> None:
+    async def scenario() -> None:
+        async with live_server(pool_size=1, sip_port=0, sip_accept=True) as server:
+            assert server.phones is not None
+            sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            sock.bind(("127.0.0.1", 0))
+            sock.setblocking(False)
+            me = sock.getsockname()[1]
+            loop = asyncio.get_running_loop()
+            try:
+                for n, formats in enumerate(["9 18", "96", "101"]):  # G.722 and G.729, a dynamic type, keys only
+                    sdp = (
+                        "v=0\r\no=- 1 1 IN IP4 127.0.0.1\r\ns=-\r\nc=IN IP4 127.0.0.1\r\nt=0 0\r\n"
+                        f"m=audio 4000 RTP/AVP {formats}\r\na=rtpmap:96 opus/48000/2\r\n"
+                    )
+                    invite = (
+                        f"INVITE sip:agent@127.0.0.1:{server.phones.port} SIP/2.0\r\n"
+                        f"Via: SIP/2.0/UDP 127.0.0.1:{me};branch=z9hG4bKcodec{n}\r\n"
+                        f"From: <sip:x@127.0.0.1>;tag={n}\r\nTo: <sip:agent@127.0.0.1>\r\nCall-ID: codec-{n}\r\n"
+                        f"CSeq: 1 INVITE\r\nContact: <sip:x@127.0.0.1:{me}>\r\nContent-Type: application/sdp\r\n"
+                        f"Content-Length: {len(sdp)}\r\n\r\n{sdp}"
+                    )
+                    sock.sendto(invite.encode(), ("127.0.0.1", server.phones.port))
+                    finals = []
+                    while not finals:
+                        text = (await asyncio.wait_for(loop.sock_recv(sock, 65536), 5)).decode()
+                        finals = [text] if not text.startswith(("SIP/2.0 100", "SIP/2.0 180")) else []
+                    assert finals[0].startswith("SIP/2.0 488"), finals[0][:80]
+            finally:
+                sock.close()
+            assert await eventually(lambda: _free(server, 1), 5)
+            assert await eventually(lambda: _no_calls(server), 5)
+            async with RealtimeClient.connect(server) as other:  # the one slot is free for someone else
+                await other.until("session.created")
+        faults = [r for r in caplog.records if r.levelno >= logging.ERROR]
+        assert not faults, [r.getMessage() for r in faults]
 
     run(scenario())

@@ -37,6 +37,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from aiosipua import SipUAS
 from aiosipua.incoming_call import IncomingCall
+from aiosipua.sdp_negotiate import SdpNegotiationError
 from aiosipua.transport import TcpSipTransport
 from aiosipua.uac import SipUAC
 from websockets.datastructures import Headers
@@ -50,7 +51,7 @@ from s2s_rt.protocol.session import Session
 from s2s_rt.server import internals
 from s2s_rt.server.calls import api_error
 from s2s_rt.server.connection import Connections, Refusal
-from s2s_rt.server.phone import MAX_WAITING_EVENTS, PhoneCall
+from s2s_rt.server.phone import CODECS, MAX_WAITING_EVENTS, PhoneCall
 from s2s_rt.server.posts import json_of
 from s2s_rt.server.secrets import session_update
 
@@ -195,8 +196,9 @@ class Phones:
                 connections.metrics.rejections.inc(reason="too_many_connections")
                 invite.reject(486, "Busy Here")
                 return
-            if invite.sdp_offer is None or invite.sdp_offer.audio is None:
-                invite.reject(488, "Not Acceptable Here")
+            offer = invite.sdp_offer
+            if offer is None or offer.audio is None or not any(c.payload_type in CODECS for c in offer.audio.codecs):
+                invite.reject(488, "Not Acceptable Here")  # no audio, or none in G.711: refused before it rings
                 return
             slot = await connections.admit()
             if isinstance(slot, Refusal):
@@ -204,6 +206,7 @@ class Phones:
                 invite.reject(486, "Busy Here")
                 log.info("phone call %s from %s refused: %s", call.id, call.client, slot.text)
                 return
+            served = False
             try:
                 served = await self._ring_and_serve(call, slot)
             finally:
@@ -253,9 +256,9 @@ class Phones:
             session.handle(update)
         try:
             sdp = await call.start_media(cfg.sip_host, self.media_ports, cfg.sip_media_timeout_s)
-        except (ValueError, OSError) as exc:
+        except (ValueError, OSError, SdpNegotiationError) as exc:
             log.info("phone call %s: no media: %s", call.id, exc)
-            invite.reject(488 if isinstance(exc, ValueError) else 503)
+            invite.reject(503 if isinstance(exc, OSError) else 488)
             return False
         invite.accept(sdp)
         log.info("phone call %s from %s answered (%s)", call.id, call.client, invite.caller)
