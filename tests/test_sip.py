@@ -23,7 +23,7 @@ import pytest
 from conftest import RealtimeClient, eventually, live_server, run, silence, tone
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from openai import AsyncOpenAI
+from openai import AsyncOpenAI, BadRequestError
 from sip_clients import answered, cancelled, refused, silent, sipp, transferred, ulaw
 
 SECRET = "whsec_" + base64.b64encode(b"a test secret of thirty-two bytes").decode()
@@ -191,6 +191,14 @@ def test_the_webhook_is_signed_and_the_sdk_accepts_the_call(tmp_path: Path) -> N
                     raise AssertionError("accepted with a wrong key")
                 except Exception as exc:
                     assert getattr(exc, "status_code", None) == 401, exc
+                # A configuration a session refuses is this request's 400 (not the call's end); the call rings on.
+                try:
+                    await client.realtime.calls.accept(
+                        event.data.call_id, type="realtime", tools=[{"type": "function", "name": ""}]
+                    )
+                    raise AssertionError("accepted with a tool without a name")
+                except BadRequestError as exc:
+                    assert "tools[0].name" in str(exc), exc
                 await client.realtime.calls.accept(
                     event.data.call_id,
                     type="realtime",

@@ -22,6 +22,7 @@ from aiosipua.incoming_call import IncomingCall
 from websockets.exceptions import ConnectionClosed
 
 from s2s_rt.audio import AudioFormat
+from s2s_rt.protocol.session import Session
 from s2s_rt.server import internals
 from s2s_rt.server.playout import CallEnded, Playout
 
@@ -60,8 +61,8 @@ class PhoneCall:
         self.playback = Playout(RATE, FRAME_SAMPLES, HEARD_DELAY_MS)
         self.media: CallSession | None = None
         self.inbox: asyncio.Queue[str | bytes | None] = asyncio.Queue()
-        #: The application's answer while the call rings: the session configuration it accepted with, or a status.
-        self.answer: asyncio.Future[dict[str, Any] | int] = asyncio.get_running_loop().create_future()
+        #: The application's answer while the call rings: the session it accepted with, or a status.
+        self.answer: asyncio.Future[Session | int] = asyncio.get_running_loop().create_future()
         #: Set when the call is over, whoever ended it; ``why`` says why.
         self.gone = asyncio.Event()
         self.why = ""

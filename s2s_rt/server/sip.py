@@ -241,7 +241,7 @@ class Phones:
                 call.end(f"not answered within {cfg.sip_answer_timeout_s:g} s")
                 return False
         elif cfg.sip_accept:
-            answer = {}
+            answer = self._session({})
             call.answer.set_result(answer)
         else:
             answer = 603
@@ -250,10 +250,7 @@ class Phones:
         if isinstance(answer, int) or call.gone.is_set():
             call.end(call.why or "rejected")
             return False
-        update, transcription = session_update(answer or None, "session")
-        session = self.connections.new_session(GA, transcription=transcription, model=None)
-        if update is not None:
-            session.handle(update)
+        session = answer
         try:
             sdp = await call.start_media(cfg.sip_host, self.media_ports, cfg.sip_media_timeout_s)
         except (ValueError, OSError, SdpNegotiationError) as exc:
@@ -308,6 +305,18 @@ class Phones:
 
     # --- the application's side (POST /v1/realtime/calls/{call_id}/...) -------------------------
 
+    def _session(self, config: dict[str, Any]) -> Session:
+        """A call's session, configured as ``accept`` asked (as a ``session.update`` would).
+
+        Raises:
+            ProtocolError: a configuration the session refuses.
+        """
+        update, transcription = session_update(config or None, "session")
+        session = self.connections.new_session(GA, transcription=transcription, model=None)
+        if update is not None:
+            session.handle(update)
+        return session
+
     def act(self, call_id: str, action: str, body: bytes) -> Response:
         """``accept``, ``reject``, ``refer`` or ``hangup`` a phone call (the caller has an API key)."""
         call = self.calls.get(call_id)
@@ -321,8 +330,8 @@ class Phones:
             if answered and action in ("accept", "reject"):
                 return api_error(HTTPStatus.CONFLICT, "call_already_answered", f"Call {call_id} was answered already")
             if action == "accept":
-                session_update(params, "session")  # refused here, with its reason, rather than after ringing
-                call.answer.set_result(params)
+                # The session is made here: a configuration it refuses is this request's 400, and the call rings on.
+                call.answer.set_result(self._session(params))
             elif action == "reject":
                 status = params.get("status_code", 603)
                 if not isinstance(status, int) or isinstance(status, bool) or not 400 <= status <= 699:
