@@ -5,7 +5,9 @@ lines on stderr), so that its event loop, its UDP sockets, its log and its exit 
 and a SIGTERM is a real one. Hostile clients post mutated SDP offers, multipart forms and JSON
 bodies, preflights and cross-site requests from foreign origins, hangups of any id, offers in
 bursts from one address, and make real aiortc calls that never connect, drop mid-answer, vanish,
-flood or overfill their data channel; calm WebSocket sessions and a calm call talk meanwhile.
+flood or overfill their data channel; SIP callers, strangers on the media ports and a hostile
+application behind the webhook come from :mod:`sip_fuzzing`; calm WebSocket sessions and a calm
+call talk meanwhile.
 
 Everything stays on this machine. Every address an offer names (connection lines, candidates,
 anything shaped like an address) is loopback, unspecified or one of this host's own
@@ -1695,6 +1697,7 @@ async def surface_fuzz(
     posters: int = 3,
     callers: int = 2,
     calm: int = 2,
+    sip_callers: int = 2,
     folder: Path | None = None,
 ) -> FuzzReport:
     """One seeded run against the POST routes and WebRTC calls of a server process, then SIGTERM.
@@ -1708,6 +1711,7 @@ async def surface_fuzz(
         seed: drives every client's generator, the server's settings (keys on for odd seeds) and the SIGTERM moment.
         seconds: how long the hostile clients run beside the calm ones.
         posters, callers: hostile clients sending requests / making real calls.
+        sip_callers: hostile SIP callers (:mod:`sip_fuzzing`; its application answers the webhook).
         calm: calm WebSocket sessions (beside one calm call).
         folder: where the server's settings and the requests behind findings are written.
 
@@ -1715,6 +1719,8 @@ async def surface_fuzz(
         The report; ``findings`` are empty when every check held.
     """
     import tempfile
+
+    from sip_fuzzing import SipSide, sip_worker
 
     rng = random.Random(f"{seed}:run")
     keys = seed % 2 == 1
@@ -1726,10 +1732,13 @@ async def surface_fuzz(
     hosts = host_addresses()
     sinks_open, sinks = await open_sinks(hosts)
     here = Here(frozenset(hosts), sinks)
+    sip = await SipSide.open(seed, keys)
+    settings |= sip.settings()
     server = ServerProcess(settings, folder)
     control = LoadControl()
     base_pcs: list[Any] = []
     run = SurfaceRun(server, report, time.monotonic() + 3600, here, folder, keys)
+    sip.app.run = run
     try:
         await asyncio.to_thread(server.wait_listening)
         for shape in ("call", "audio", "video"):
@@ -1759,6 +1768,7 @@ async def surface_fuzz(
         hostile = [
             *(post_worker(run, i, seed) for i in range(posters)),
             *(call_worker(run, i, seed) for i in range(callers)),
+            *(sip_worker(run, i, seed, sip.port, sip.media) for i in range(sip_callers)),
             burst_worker(run, seed),
             _lag_watch(run, control, bound, quiet),
         ]
@@ -1788,6 +1798,7 @@ async def surface_fuzz(
             asyncio.create_task(call_worker(run, 100, seed)),
             asyncio.create_task(call_worker(run, 101, seed)),
             asyncio.create_task(burst_worker(run, seed + 1)),
+            asyncio.create_task(sip_worker(run, 100, seed, sip.port, sip.media)),
         ]
         await asyncio.sleep(rng.uniform(0.2, 4.0))
         run.shutting_down = True
@@ -1808,6 +1819,7 @@ async def surface_fuzz(
         run.deadline = run.hostile_deadline = time.monotonic()
         server.finish()
         control.stop()
+        await sip.app.close()
         for pc in base_pcs:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(pc.close(), 5)

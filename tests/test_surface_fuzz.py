@@ -5,8 +5,11 @@ sizes), multipart forms and JSON bodies (nesting, surrogates, wrong types),
 send preflights and cross-site posts from foreign origins with any headers,
 hang up others' calls and unknown ids, send offers in bursts from one
 address, and make real calls that never connect, drop mid-answer, vanish,
-flood or overfill their data channel, beside calm WebSocket sessions and a
-calm call (see :func:`surface_fuzzing.surface_fuzz`). Checked on every answer and
+flood or overfill their data channel; phone callers send INVITEs over SIP
+(mutated, in floods, over UDP and TCP), talk, vanish or hang up, strangers
+spray the calls' media ports, and the application behind the webhook answers
+late, badly or not at all (:mod:`sip_fuzzing`); all beside calm WebSocket
+sessions and a calm call (see :func:`surface_fuzzing.surface_fuzz`). Checked on every answer and
 event: no 5xx (but the designed 503s), nothing cross-site (``/drain`` never
 reachable, no foreign page reads an answer), no traceback or error in the
 server's log, its loop's lag within a bound of the quiet figure, the calm
