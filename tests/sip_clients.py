@@ -225,6 +225,13 @@ def ulaw(pcm16: np.ndarray) -> bytes:
     return (~(sign | (exponent << 4) | mantissa) & 0xFF).astype(np.uint8).tobytes()
 
 
+def from_ulaw(data: bytes) -> bytes:
+    """G.711 μ-law bytes as PCM16 samples (little-endian bytes)."""
+    u = ~np.frombuffer(data, dtype=np.uint8).astype(np.int32) & 0xFF
+    magnitude = (((u & 0x0F) << 3) + 0x84) << ((u >> 4) & 0x07)
+    return np.where(u & 0x80, 0x84 - magnitude, magnitude - 0x84).astype("<i2").tobytes()
+
+
 async def sipp(
     folder: Path, scenario: str, port: int, *, transport: str = "u1", timeout: float = 30.0, audio: bytes = b""
 ) -> tuple[int, str]:

@@ -13,6 +13,7 @@ import asyncio
 import base64
 import json
 import logging
+import re
 import socket
 import time
 from pathlib import Path
@@ -24,7 +25,8 @@ from conftest import RealtimeClient, eventually, live_server, run, silence, tone
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from openai import AsyncOpenAI, BadRequestError
-from sip_clients import answered, cancelled, refused, silent, sipp, transferred, ulaw
+from sip_clients import answered, cancelled, from_ulaw, refused, silent, sipp, transferred, ulaw
+from test_third_party_clients import needs_question_voice, spoken_question
 
 SECRET = "whsec_" + base64.b64encode(b"a test secret of thirty-two bytes").decode()
 
@@ -44,6 +46,8 @@ class Ear:
         self.sock.setblocking(False)
         self.port = int(self.sock.getsockname()[1])
         self.packets = 0
+        #: Every payload byte heard, in order of arrival (G.711 as sent).
+        self.payload = bytearray()
         self.loud_samples = 0
         self.payload_types: set[int] = set()
         #: (arrival time, samples, any of them loud) per packet.
@@ -61,6 +65,7 @@ class Ear:
                 continue
             self.packets += 1
             self.payload_types.add(data[1] & 0x7F)
+            self.payload += data[12:]
             payload = np.frombuffer(data[12:], dtype=np.uint8)
             # μ-law silence is 0xFF/0x7F; A-law's 0xD5/0x55: anything else far from them is sound.
             loud = int(np.count_nonzero((payload & 0x7F) < 0x70))
@@ -668,3 +673,49 @@ def test_an_offer_without_g711_is_refused_before_it_rings_and_holds_no_slot(capl
         assert not faults, [r.getMessage() for r in faults]
 
     run(scenario())
+
+
+@pytest.mark.slow
+@needs_question_voice
+def test_on_the_default_stack_a_question_asked_over_a_call_is_answered_in_words_the_caller_hears(
+    tmp_path: Path,
+) -> None:
+    """flite asks over G.711 (8 kHz μ-law, as a phone line carries it); Whisper transcribes what came back."""
+    from s2s_rt import Config, Server
+    from s2s_rt.audio import float_to_pcm16, pcm16_to_float, resample
+    from s2s_rt.wer import word_error_rate
+
+    question = pcm16_to_float(spoken_question("What is the capital of France?"))
+    line = np.frombuffer(float_to_pcm16(resample(question, 24_000, 8_000)), "<i2")
+    said_pcm = np.concatenate([np.zeros(4000, "<i2"), line, np.zeros(8000 * 30, "<i2")])
+
+    async def scenario() -> None:
+        config = Config(port=0, stack="default", pool_size=1, sip_port=0, sip_accept=True)
+        async with Server(config) as server:
+            assert server.phones is not None and server.stack is not None
+            ear = Ear()
+            caller = asyncio.create_task(sipp(tmp_path, answered(30_000, ear.port), server.phones.port,
+                                              audio=ulaw(said_pcm), timeout=60))  # fmt: skip
+            listening = asyncio.create_task(ear.listen(33.0))
+            assert await eventually(lambda: _answered(server), 10)
+            [call] = server.phones.calls.values()
+            async with RealtimeClient.connect(server, path=f"/v1/realtime?call_id={call.id}") as app:
+                done = await app.until("response.done", 60)
+                stopped = await app.until("output_audio_buffer.stopped", 60)
+            assert stopped["response_id"] == done["response"]["id"]
+            said = " ".join(
+                c.get("transcript") or "" for o in done["response"]["output"] if o["type"] == "message"
+                for c in o["content"]
+            )  # fmt: skip
+            rc, out = await caller
+            await listening
+            ear.close()
+            assert rc == 0, out[-3000:]
+            answer = resample(pcm16_to_float(from_ulaw(bytes(ear.payload))), 8_000, 16_000)
+            heard = server.stack.stt.transcribe(answer, language="en").text
+            print(f"\nthe server said {said!r}; over the line, Whisper heard {heard!r}")
+            assert re.search(r"\bParis\b", said), said
+            assert re.search(r"\bParis\b", heard), heard
+            assert word_error_rate(said, heard) <= 0.35, (said, heard)
+
+    run(scenario(), timeout=180)
