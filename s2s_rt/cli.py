@@ -87,6 +87,11 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     p.add_argument("--sip-port", type=int, dest="sip_port", help="take phone calls over SIP on this port (off)")
     p.add_argument("--sip-host", dest="sip_host", help="the address SIP and RTP listen on and name (127.0.0.1)")
+    p.add_argument(
+        "--sip-advertised-host",
+        dest="sip_advertised_host",
+        help="the address SIP and SDP name when not --sip-host (NAT)",
+    )
     p.add_argument("--sip-media-ports", dest="sip_media_ports", help="UDP ports for calls' RTP (30000-30999)")
     p.add_argument("--sip-webhook", dest="sip_webhook_url", help="post realtime.call.incoming here when a call rings")
     p.add_argument(

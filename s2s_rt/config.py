@@ -185,8 +185,12 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     call_timeout_s: float = 15.0
     #: Phone calls over SIP (UDP and TCP) on this port; None: off. A PBX or trunk sends its INVITEs here.
     sip_port: int | None = None
-    #: The address SIP and its RTP media listen on, and the one the SDP answer names (a reachable one).
+    #: The address SIP and its RTP media listen on, and, without :attr:`sip_advertised_host`, the one the
+    #: server's Contact and SDP answer name (then a reachable one, not ``0.0.0.0``).
     sip_host: str = "127.0.0.1"
+    #: The address the PBX reaches this server at, named in the server's Via, Contact and SDP answer when it
+    #: is not :attr:`sip_host` (behind NAT: the public address mapped to the private one SIP listens on).
+    sip_advertised_host: str | None = None
     #: UDP ports for the calls' media, ``LOW-HIGH``: each call takes two (RTP on an even port, RTCP the next).
     sip_media_ports: str = "30000-30999"
     #: Where ``realtime.call.incoming`` is posted (HTTP POST, JSON) when a call rings; the application then
@@ -278,6 +282,11 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             port_range(self.sip_media_ports)
         except ValueError as exc:
             raise ConfigError(f"sip_media_ports: {exc}") from None
+        if self.sip_port is not None and self.sip_advertised_host is None and self.sip_host in ("0.0.0.0", "::"):
+            raise ConfigError(
+                f"sip_host {self.sip_host} listens on every address but names none a PBX can reach: set"
+                " sip_advertised_host (the address the PBX sends to) or a concrete sip_host"
+            )
         if self.sip_webhook_url is not None and not self.sip_webhook_url.startswith(("http://", "https://")):
             raise ConfigError(f"sip_webhook_url must be an http:// or https:// URL, not {self.sip_webhook_url!r}")
         if not 0 < self.sip_answer_timeout_s <= 600:

@@ -15,6 +15,7 @@ import re
 import shutil
 import socket
 from pathlib import Path
+from xml.sax.saxutils import escape
 
 import numpy as np
 from conftest import missing
@@ -86,8 +87,12 @@ BYE = """
 """
 
 
-def answered(talk_ms: int, hears_on: int, *, ring: bool = True, keys_after_ms: int | None = None) -> str:
+def answered(
+    talk_ms: int, hears_on: int, *, ring: bool = True, keys_after_ms: int | None = None, answer_has: str = ""
+) -> str:
     """A call answered, the caller's audio streamed for ``talk_ms``, then the caller's BYE.
+
+    ``answer_has``: a regular expression (POSIX, SIPp's) the 200 must match, or the call fails.
 
     The offer asks for the answers' audio on ``hears_on`` (a UDP port the test reads), not SIPp's own.
     ``keys_after_ms``: the caller presses 1 (RFC 4733, Debian's ``dtmf_2833_1.pcap``; SIPp sends it
@@ -102,12 +107,19 @@ def answered(talk_ms: int, hears_on: int, *, ring: bool = True, keys_after_ms: i
     return _scenario(
         hears_on,
         ('<recv response="180"/>' if ring else '<recv response="180" optional="true"/>')
-        + '<recv response="200" rtd="true"/>'
+        + (
+            f'<recv response="200" rtd="true"><action><ereg regexp="{escape(answer_has, {chr(34): "&quot;"})}"'
+            ' search_in="msg" check_it="true"'
+            ' assign_to="has"/></action></recv>'
+            if answer_has
+            else '<recv response="200" rtd="true"/>'
+        )
         + ACK_2XX
         + '<nop><action><exec rtp_stream="in.ulaw,1,0"/></action></nop>'
         + keys
         + f'<pause milliseconds="{talk_ms}"/>'
-        + BYE,
+        + BYE
+        + ('<Reference variables="has"/>' if answer_has else ""),
     )
 
 

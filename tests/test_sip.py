@@ -103,6 +103,31 @@ def test_a_call_is_answered_in_speech_and_its_slot_comes_back_when_the_caller_ha
     run(scenario())
 
 
+def test_behind_nat_the_server_names_its_advertised_address_and_is_reached_there(tmp_path: Path) -> None:
+    """SIP and RTP listen on every address; the Contact and the SDP answer name 127.0.0.2 (as a public address
+    mapped to a private one would be), and the caller's audio sent there is heard and answered."""
+
+    async def scenario() -> None:
+        async with live_server(
+            pool_size=1, sip_port=0, sip_host="0.0.0.0", sip_advertised_host="127.0.0.2", sip_accept=True
+        ) as server:
+            assert server.phones is not None and server.phones.port
+            ear = Ear()
+            try:
+                listening = asyncio.create_task(ear.listen(8.0))
+                has = r"Contact: <sip:127\.0\.0\.2:[0-9]+>.*c=IN IP4 127\.0\.0\.2"
+                scenario = answered(5500, ear.port, answer_has=has)
+                rc, out = await sipp(tmp_path, scenario, server.phones.port, audio=_question())
+                await listening
+            finally:
+                ear.close()
+            assert rc == 0, out[-3000:]
+            assert ear.loud_samples >= 8000 // 2
+            assert await eventually(lambda: _free(server, 1), 5)
+
+    run(scenario())
+
+
 def test_a_call_over_tcp_is_answered_too(tmp_path: Path) -> None:
     async def scenario() -> None:
         async with live_server(pool_size=1, sip_port=0, sip_accept=True) as server:
@@ -719,3 +744,11 @@ def test_on_the_default_stack_a_question_asked_over_a_call_is_answered_in_words_
             assert word_error_rate(said, heard) <= 0.35, (said, heard)
 
     run(scenario(), timeout=180)
+
+
+def test_listening_on_every_address_needs_an_address_to_name() -> None:
+    from s2s_rt.config import Config, ConfigError
+
+    with pytest.raises(ConfigError, match="sip_advertised_host"):
+        Config(sip_port=5060, sip_host="0.0.0.0").validate()
+    assert Config(sip_port=5060, sip_host="0.0.0.0", sip_advertised_host="203.0.113.7").validate().sip_advertised_host

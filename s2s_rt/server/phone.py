@@ -106,8 +106,9 @@ class PhoneCall:
 
     # --- media -----------------------------------------------------------------
 
-    async def start_media(self, host: str, ports: range, media_timeout_s: float) -> Any:
-        """Bind the call's RTP on a free port of ``ports`` and start sending; the SDP answer.
+    async def start_media(self, host: str, advertised: str | None, ports: range, media_timeout_s: float) -> Any:
+        """Bind the call's RTP on ``host`` at a free port of ``ports`` and start sending; the SDP answer (naming
+        ``advertised`` when given, else ``host``).
 
         Media is taken only from the caller: from the address its offer names or the one its INVITE
         came from (any port); datagrams from elsewhere are dropped. A call whose caller has sent
@@ -123,7 +124,9 @@ class PhoneCall:
         tried = 0
         for port in _ports_to_try(ports):
             # Media goes where the SDP says (latching to the source breaks callers that send from another port).
-            media = CallSession(host, port, offer, supported_codecs=CODECS, symmetric_rtp=False)
+            media = CallSession(
+                host, port, offer, supported_codecs=CODECS, symmetric_rtp=False, advertised_ip=advertised
+            )
             try:
                 await media.start()
             except OSError:

@@ -139,14 +139,16 @@ class Phones:
             internals.SipUdp(local_addr=(cfg.sip_host, port)),
             TcpSipTransport(local_addr=(cfg.sip_host, port)),
         ):
-            agent = SipUAS(transport, user_agent="s2s-rt", uac=SipUAC(transport))
+            advertised = (cfg.sip_advertised_host, port) if cfg.sip_advertised_host else None
+            agent = SipUAS(transport, user_agent="s2s-rt", uac=SipUAC(transport), advertised_addr=advertised)
             agent.on_invite = self._invited
             agent.on_bye = lambda invite, request: self._ended(invite.call_id, "the caller hung up")
             agent.on_cancel = lambda request, addr: self._ended(request.call_id or "", "the caller gave up")
             await agent.start()
             self._agents.append(agent)
         self.port = port
-        log.info("SIP listening on %s:%d (UDP and TCP)", cfg.sip_host, port)
+        named = f", named {cfg.sip_advertised_host}" if cfg.sip_advertised_host else ""
+        log.info("SIP listening on %s:%d (UDP and TCP%s)", cfg.sip_host, port, named)
 
     async def close(self) -> None:
         """End every call (shutdown), wait for their sessions, stop listening."""
@@ -252,7 +254,9 @@ class Phones:
             return False
         session = answer
         try:
-            sdp = await call.start_media(cfg.sip_host, self.media_ports, cfg.sip_media_timeout_s)
+            sdp = await call.start_media(
+                cfg.sip_host, cfg.sip_advertised_host, self.media_ports, cfg.sip_media_timeout_s
+            )
         except (ValueError, OSError, SdpNegotiationError) as exc:
             log.info("phone call %s: no media: %s", call.id, exc)
             invite.reject(503 if isinstance(exc, OSError) else 488)
