@@ -9,6 +9,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import NamedTuple
+from urllib.parse import parse_qs, urlsplit
 
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed, ConnectionClosedOK
@@ -71,7 +72,6 @@ class Connections:
             raise ConfigError(str(exc)) from None
         self.per_ip: dict[str, int] = {}
         self.trusted = [ipaddress.ip_network(p, strict=False) for p in config.trusted_proxies]
-        self.watch: Callable[[ServerConnection], Awaitable[None]] | None = None  # ?call_id= (a SIP call's)
 
     def enter(self, host: str) -> bool:
         """Count a connection (a WebSocket or a call) of ``host`` from now on; False when it is one too many.
@@ -95,13 +95,20 @@ class Connections:
             f"At most {self.config.max_connections_per_ip} concurrent connections per client address",
         )
 
-    async def handle(self, ws: ServerConnection) -> None:
-        """Serve one connection, from its handshake to its close."""
+    async def handle(
+        self, ws: ServerConnection, *, phone_calls: Callable[[ServerConnection], Awaitable[None]] | None = None
+    ) -> None:
+        """Serve one connection, from its handshake to its close.
+
+        Args:
+            phone_calls: when the server takes phone calls, what serves a WebSocket that names one
+                (``/v1/realtime?call_id=``: the application watching a call's session).
+        """
         host = client_host(ws, self.trusted)
         within = self.enter(host)
         try:
-            if within and self.watch is not None and "call_id=" in (ws.request.path if ws.request else ""):
-                await self.watch(ws)
+            if within and phone_calls is not None and names_a_call(ws.request):
+                await phone_calls(ws)
             elif within:
                 await self._serve_connection(ws, host)
             else:
@@ -498,3 +505,8 @@ class EventBudget:
             self.tokens -= 1.0
             return True
         return False
+
+
+def names_a_call(request: Request | None) -> bool:
+    """Whether a WebSocket's handshake names a call (``?call_id=``) rather than asking for a session."""
+    return request is not None and "call_id" in parse_qs(urlsplit(request.path).query, keep_blank_values=True)

@@ -15,6 +15,7 @@ The connections (:mod:`s2s_rt.server.connection`) and the HTTP routes
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import logging
 import os
@@ -219,8 +220,11 @@ class Server:
                     tg.create_task(supervise("listening clock", clock.run, self.metrics), name="listening-clock")
                 )
                 tasks.append(tg.create_task(supervise("loop-lag", self._watch_loop_lag, self.metrics), name="loop-lag"))
+                handle = connections.handle
+                if phones is not None:
+                    handle = functools.partial(connections.handle, phone_calls=phones.watch)
                 async with serve(
-                    connections.handle,
+                    handle,
                     cfg.host,
                     cfg.port,
                     process_request=routes.process_request,

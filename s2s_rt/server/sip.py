@@ -92,7 +92,6 @@ class Phones:
         self._by_dialog: dict[str, PhoneCall] = {}
         self.tasks: set[asyncio.Task[None]] = set()
         self._agents: list[SipUAS] = []
-        connections.watch = self.watch
         self.port: int | None = None
 
     async def watch(self, ws: Any) -> None:
