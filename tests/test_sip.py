@@ -25,7 +25,7 @@ from conftest import RealtimeClient, eventually, live_server, run, silence, tone
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from openai import AsyncOpenAI, BadRequestError
-from sip_clients import answered, cancelled, from_ulaw, refused, silent, sipp, transferred, ulaw
+from sip_clients import answered, cancelled, from_ulaw, moved, refused, silent, sipp, transferred, ulaw
 from test_third_party_clients import needs_question_voice, spoken_question
 
 SECRET = "whsec_" + base64.b64encode(b"a test secret of thirty-two bytes").decode()
@@ -123,6 +123,28 @@ def test_behind_nat_the_server_names_its_advertised_address_and_is_reached_there
                 ear.close()
             assert rc == 0, out[-3000:]
             assert ear.loud_samples >= 8000 // 2
+            assert await eventually(lambda: _free(server, 1), 5)
+
+    run(scenario())
+
+
+def test_a_reinvite_is_answered_and_moves_the_answers_audio_where_it_says(tmp_path: Path) -> None:
+    """A PBX re-INVITEs to refresh a session or move its media: unanswered, it would end the call in 32 s."""
+
+    async def scenario() -> None:
+        async with live_server(pool_size=1, sip_port=0, sip_accept=True) as server:
+            assert server.phones is not None and server.phones.port
+            before, after = Ear(), Ear()
+            try:
+                listening = [asyncio.create_task(ear.listen(9.0)) for ear in (before, after)]
+                calls = moved(5500, before.port, after.port)
+                rc, out = await sipp(tmp_path, calls, server.phones.port, audio=_question())
+                await asyncio.gather(*listening)
+            finally:
+                before.close()
+                after.close()
+            assert rc == 0, out[-3000:]
+            assert after.loud_samples >= 8000 // 2 and before.packets == 0, (before.packets, after.loud_samples)
             assert await eventually(lambda: _free(server, 1), 5)
 
     run(scenario())

@@ -11,7 +11,6 @@ the application's WebSocket when one watches the call.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import random
 from http import HTTPStatus
@@ -78,6 +77,8 @@ class PhoneCall:
         self.last_packet_at: float | None = None
         #: Datagrams dropped because they came from another address than the caller's.
         self.strays = 0
+        #: The addresses the caller's media may come from (its offers' and its INVITE's).
+        self._callers: set[str] = set()
         self._sender: asyncio.Task[None] | None = None
 
     # --- the channel the session writes to -------------------------------------
@@ -138,22 +139,43 @@ class PhoneCall:
         media.on_audio = self._heard
         media.on_dtmf = self._pressed
         offered = offer.rtp_address
-        callers = {self.invite.source_addr[0]} | ({offered[0]} if offered else set())
-        internals.guard_rtp(media.rtp_session, functools.partial(self._from_caller, frozenset(callers)))
+        self._callers = {self.invite.source_addr[0]} | ({offered[0]} if offered else set())
+        internals.guard_rtp(media.rtp_session, self._from_caller)
         self.media = media
         sender = self._send_audio(media, media_timeout_s)
         self._sender = asyncio.get_running_loop().create_task(sender, name=f"{self.id}-rtp")
         return media.sdp_answer
 
-    def _from_caller(self, callers: frozenset[str], addr: Any) -> bool:
-        """Whether a datagram from ``addr`` is the caller's (counted, and the first one's time kept)."""
-        if addr[0] not in callers:
+    def _from_caller(self, addr: Any) -> bool:
+        """Whether a datagram from ``addr`` is the caller's (counted, and the last one's time kept)."""
+        if addr[0] not in self._callers:
             self.strays += 1
             if self.strays == 1:
-                log.info("phone call %s: media from %s, not the caller (%s), dropped", self.id, addr[0], callers)
+                log.info("phone call %s: media from %s, not the caller (%s), dropped", self.id, addr[0], self._callers)
             return False
         self.last_packet_at = asyncio.get_running_loop().time()
         return True
+
+    def renegotiate(self, offer: Any) -> Any:
+        """A re-INVITE's offer (a session refresh, hold, a media address moved): the SDP answer, the media sent
+        where the offer now says. None: the offer keeps none of the call's codec (the caller is refused 488).
+
+        The answer is the call's first one: the same codec and port (RFC 3264 allows an unchanged answer).
+        """
+        media = self.media
+        assert media is not None
+        answer = media.sdp_answer
+        if offer is None or offer.audio is None:
+            return answer  # no offer: ours again, answered in the ACK
+        chosen = answer.audio.codecs[0].payload_type if answer.audio and answer.audio.codecs else None
+        if chosen is not None and all(c.payload_type != chosen for c in offer.audio.codecs):
+            return None
+        address = offer.rtp_address
+        if address is not None:
+            self._callers.add(address[0])
+            if media.rtp_session is not None and address[0] not in ("0.0.0.0", "::"):  # not a hold of old
+                media.rtp_session.update_remote(address)
+        return answer
 
     def _heard(self, pcm: bytes, timestamp: int) -> None:
         hear = self.hear

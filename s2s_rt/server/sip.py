@@ -141,6 +141,7 @@ class Phones:
             advertised = (cfg.sip_advertised_host, port) if cfg.sip_advertised_host else None
             agent = SipUAS(transport, user_agent="s2s-rt", uac=SipUAC(transport), advertised_addr=advertised)
             agent.on_invite = self._invited
+            agent.on_reinvite = self._reinvited
             agent.on_bye = lambda invite, request: self._ended(invite.call_id, "the caller hung up")
             agent.on_cancel = lambda request, addr: self._ended(request.call_id or "", "the caller gave up")
             await agent.start()
@@ -168,6 +169,20 @@ class Phones:
         task = asyncio.get_running_loop().create_task(self._take(call), name=call.id)
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
+
+    def _reinvited(self, invite: IncomingCall) -> None:
+        """A re-INVITE of an answered call (a session refresh, hold, media moved): answered at once, or the
+        caller would end the call when its transaction times out (32 s)."""
+        call = self._by_dialog.get(invite.call_id)
+        if call is None or call.media is None or call.gone.is_set():
+            invite.reject(481, "Call/Transaction Does Not Exist")
+            return
+        answer = call.renegotiate(invite.sdp_offer)
+        if answer is None:
+            invite.reject(488, "Not Acceptable Here")
+            return
+        invite.accept(answer)
+        log.info("phone call %s: re-INVITE answered", call.id)
 
     def _sweep(self) -> None:
         """Drop what the SIP library keeps of calls that are not (or no longer) ours."""
