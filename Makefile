@@ -7,7 +7,7 @@ MODELS := $(VENV)/.models-installed
 ARGS   ?=
 PYTEST_ARGS ?=
 
-.PHONY: install models llama-server agents-js serve test bench bench-llm soak fuzz lint clean
+.PHONY: install models llama-server agents-js serve test bench bench-llm soak fuzz gpu-check lint clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -99,6 +99,13 @@ soak: install
 	$(BIN)/python bin/s2s-rt-soak --minutes 10 --sessions 50
 
 # Ten minutes of each fuzzer on fresh seeds: WebSocket sessions, then the POST routes and WebRTC calls.
+# On a machine with an NVIDIA GPU: CUDA's libraries (installed when missing), each engine on the GPU, the load
+# single-fresh and with 32 talkers, the figures as a BENCHMARKS.md section in gpu-check.md (about 10 minutes).
+# Without a GPU it refuses, saying so; `ARGS=--cpu-rehearsal` tries the script on the CPU.
+gpu-check: install
+	$(BIN)/s2s-rt models prepare
+	$(BIN)/s2s-rt gpu-check --install $(ARGS)
+
 fuzz: install
 	FUZZ_SECONDS=$${FUZZ_SECONDS:-600} FUZZ_KEEP_GOING=1 $(BIN)/python -m pytest \
 		tests/test_session_fuzz.py tests/test_surface_fuzz.py \

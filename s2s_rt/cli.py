@@ -163,6 +163,7 @@ DELEGATED = {
     "models": ("s2s_rt.models.cli", "prepare, list or verify the model cache"),
     "talk": ("s2s_rt.talk", "say one thing (a WAV or text) and save the spoken answer"),
     "bench": ("s2s_rt.bench.cli", "the load generator: latency per turn, capacity, memory"),
+    "gpu-check": ("s2s_rt.bench.gpu", "on an NVIDIA GPU: each engine on it, the load single-fresh and with 32 talkers"),
 }
 
 
