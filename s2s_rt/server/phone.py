@@ -194,27 +194,38 @@ class PhoneCall:
             keypad(digit)
 
     async def _send_audio(self, media: CallSession, media_timeout_s: float) -> None:
-        """Every 20 ms, the next frame of what the session plays, while there is one (silence is not sent);
-        the call ends when its caller has sent nothing for ``media_timeout_s``."""
+        """Every 20 ms, the next frame of what the session plays, while there is one; while there is none, it
+        sleeps until audio is queued (nothing is sent, and nothing wakes every 20 ms). The call ends when its
+        caller has sent nothing for ``media_timeout_s``."""
         loop = asyncio.get_running_loop()
-        start = loop.time()
-        answered = start
+        answered = start = loop.time()
         ticks = 0
         playback = self.playback
         while not self.gone.is_set():
-            ticks += 1
-            wait = start + ticks * 0.02 - loop.time()
-            if wait > 0:
-                await asyncio.sleep(wait)
-            elif wait < -0.2:
-                start, ticks = loop.time(), 0  # the loop fell behind: count again rather than send a burst
-            if loop.time() - (self.last_packet_at or answered) >= media_timeout_s:
-                self.end(f"no media from the caller for {media_timeout_s:g} s")
-                return
+            if playback.idle:
+                left = (self.last_packet_at or answered) + media_timeout_s - loop.time()
+                if left <= 0:
+                    self.end(f"no media from the caller for {media_timeout_s:g} s")
+                    return
+                playback.queued.clear()
+                try:
+                    await asyncio.wait_for(playback.queued.wait(), left)
+                except TimeoutError:
+                    continue
+                start, ticks = loop.time(), 0  # a talkspurt begins: its first frame goes now
+            else:
+                ticks += 1
+                wait = start + ticks * 0.02 - loop.time()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                elif wait < -0.2:
+                    start, ticks = loop.time(), 0  # the loop fell behind: count again rather than send a burst
             if playback.idle:
                 continue
             frame = playback.next_frame()
-            media.send_audio_pcm(frame.tobytes(), ticks * FRAME_SAMPLES)
+            # RTP time runs on through the silences: each talkspurt's frames from when it began.
+            stamp = (round((start - answered) / 0.02) + ticks) * FRAME_SAMPLES
+            media.send_audio_pcm(frame.tobytes(), stamp & 0xFFFFFFFF)
 
     # --- lifecycle ----------------------------------------------------------------
 

@@ -11,6 +11,7 @@ sends one every 20 ms) and encodes them.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -72,6 +73,8 @@ class Playout:
         #: Responses whose remaining audio was cleared: anything of theirs that still comes is dropped.
         self._cleared: set[str] = set()
         self.notify: Callable[[str, str], None] = lambda kind, response_id: None
+        #: Set whenever audio is queued: a transport that sends nothing while idle waits on it.
+        self.queued = asyncio.Event()
 
     def play(self, response_id: str, item_id: str, data: bytes, fmt: AudioFormat) -> None:
         """Queue one audio delta of a response, in the session's output format."""
@@ -83,6 +86,7 @@ class Playout:
             floats = resample(fmt.decode(data), fmt.rate, self.rate)
             samples = np.clip(np.round(floats * 32767.0), -32768, 32767).astype(np.int16)
         self._queue.append(_Chunk(response_id, item_id, samples))
+        self.queued.set()
 
     def finish(self, response_id: str) -> None:
         """A response's audio is all queued."""
