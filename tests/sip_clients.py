@@ -126,36 +126,18 @@ def answered(
 def moved(talk_ms: int, hears_on: int, then_on: int) -> str:
     """A call answered with its answers' audio asked on ``hears_on``, moved by a re-INVITE (answered 200 with
     SDP, ACKed) to ``then_on``; then the caller's audio streams for ``talk_ms`` and it hangs up (BYE)."""
-    reinvite = f"""
-  <send retrans="500">
-    <![CDATA[
-      INVITE sip:agent@[remote_ip]:[remote_port] SIP/2.0
-      Via: SIP/2.0/[transport] [local_ip]:[local_port];branch=[branch]
-      From: sipp <sip:sipp@[local_ip]:[local_port]>;tag=[pid]SIPpTag00[call_number]
-      To: <sip:agent@[remote_ip]:[remote_port]>[peer_tag_param]
-      Call-ID: [call_id]
-      CSeq: 2 INVITE
-      Contact: sip:sipp@[local_ip]:[local_port];transport=[transport]
-      Max-Forwards: 70
-      Content-Type: application/sdp
-      Content-Length: [len]
-
-      v=0
-      o=user1 53655765 2353687638 IN IP[local_ip_type] [local_ip]
-      s=-
-      c=IN IP4 127.0.0.1
-      t=0 0
-      m=audio {then_on} RTP/AVP 0 8 101
-      a=rtpmap:0 PCMU/8000
-      a=rtpmap:8 PCMA/8000
-      a=rtpmap:101 telephone-event/8000
-      a=fmtp:101 0-15
-    ]]>
-  </send>
-  <recv response="100" optional="true"/>
-  <recv response="200"><action><ereg regexp="m=audio [0-9]+ RTP/AVP 0" search_in="body" check_it="true"
-   assign_to="sdp"/></action></recv>
-"""
+    # The first INVITE again, in the dialog (its To tag, CSeq 2), offering a new port and a new SDP version.
+    reinvite = (
+        INVITE.format(hears_on=then_on)
+        .replace("CSeq: 1 INVITE", "CSeq: 2 INVITE")
+        .replace(
+            "To: <sip:agent@[remote_ip]:[remote_port]>", "To: <sip:agent@[remote_ip]:[remote_port]>[peer_tag_param]"
+        )
+        .replace("X-Caller-Account: 4711\n", "")
+        .replace("2353687637", "2353687638")
+        + '<recv response="200"><action><ereg regexp="m=audio [0-9]+ RTP/AVP 0" search_in="body"'
+        ' check_it="true" assign_to="sdp"/></action></recv>'
+    )
     ack = ACK_2XX.replace("CSeq: 1 ACK", "CSeq: 2 ACK")
     bye = BYE.replace("CSeq: 2 BYE", "CSeq: 3 BYE")
     return _scenario(

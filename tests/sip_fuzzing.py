@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from sip_clients import ulaw
 from surface_fuzzing import SURFACE_KEY, Sent, SurfaceRun, hostile_json, http_request, keep_local
 
 from s2s_rt.server.sip import free_port, sign_webhook
@@ -42,16 +43,7 @@ SIP_SETTINGS: dict[str, Any] = {"sip_answer_timeout_s": 2.0, "sip_media_timeout_
 _TONE = np.sin(2 * np.pi * 300 * np.arange(8000) / 8000) * 9000
 
 
-def _ulaw(pcm: np.ndarray) -> bytes:
-    x = np.clip(pcm.astype(np.int32), -32635, 32635)
-    sign = np.where(x < 0, 0x80, 0)
-    x = np.abs(x) + 0x84
-    exponent = np.floor(np.log2(x)).astype(np.int32) - 7
-    mantissa = (x >> (exponent + 3)) & 0x0F
-    return (~(sign | (exponent << 4) | mantissa) & 0xFF).astype(np.uint8).tobytes()
-
-
-TONE = _ulaw(_TONE)
+TONE = ulaw(_TONE)
 SILENCE = bytes([0xFF]) * 160
 
 
@@ -368,7 +360,7 @@ def _bye(invite: str, ok: str) -> bytes:
     lines += [f"From: {v}" for v in _header(invite, "from")[:1]]
     lines += [f"To: {v}" for v in _header(ok, "to")[:1]]
     lines += [f"Call-ID: {v}" for v in _header(invite, "call-id")[:1]]
-    return ("\r\n".join([*lines, "CSeq: 2 BYE", "Max-Forwards: 70"]) + "\r\nContent-Length: 0\r\n\r\n").encode()
+    return ("\r\n".join([*lines, "CSeq: 3 BYE", "Max-Forwards: 70"]) + "\r\nContent-Length: 0\r\n\r\n").encode()
 
 
 def build_invite(
@@ -438,7 +430,8 @@ async def _call(run: SurfaceRun, rng: random.Random, caller: Caller, sip_port: i
         return
     run.report.stats["sip calls answered"] += 1
     fate = rng.choices(
-        ["talk", "talk and bye", "bye at once", "no ack", "silent", "vanish"], weights=[3, 3, 1, 1, 1, 1]
+        ["talk", "talk and bye", "bye at once", "no ack", "silent", "vanish", "reinvite"],
+        weights=[3, 3, 1, 1, 1, 1, 2],
     )
     fate_name = fate[0]
     run.report.stats[f"sip call {fate_name}"] += 1
@@ -466,6 +459,25 @@ async def _call(run: SurfaceRun, rng: random.Random, caller: Caller, sip_port: i
             rtp_sock.close()
     elif fate_name == "silent":
         await caller.receive(rng.uniform(0.5, 3.0))
+    elif fate_name == "reinvite":
+        # In the dialog (the 200's To tag): a refresh, or the media moved to a sink or held (c=0.0.0.0).
+        again, what = build_invite(run, rng, caller, sip_port, "UDP", mutate=rng.random() < 0.5)
+        again = again.replace("CSeq: 1 INVITE", "CSeq: 2 INVITE")
+        for to in _header(ok, "to")[:1]:
+            again = re.sub(r"(?m)^To: .*$", f"To: {to}", again)
+        for call_id in _header(text, "call-id")[:1]:
+            again = re.sub(r"(?m)^Call-ID: .*$", f"Call-ID: {call_id}", again)
+        again = re.sub(r"(?m)^From: .*$", "From: " + (_header(text, "from") or [""])[0], again)
+        raw = keep_local(again, run.here).encode("utf-8", "surrogatepass")[:65000]
+        caller.record(f"reinvite: {what}", raw)
+        with contextlib.suppress(OSError):
+            caller.sock.sendto(raw, ("127.0.0.1", sip_port))
+        for message in await caller.receive(rng.uniform(0.3, 2.0)):
+            if message.startswith("SIP/2.0 2"):
+                with contextlib.suppress(OSError):
+                    caller.sock.sendto(
+                        _ack(again, message).replace(b"CSeq: 1 ACK", b"CSeq: 2 ACK"), ("127.0.0.1", sip_port)
+                    )
     if fate_name in ("talk and bye", "bye at once"):
         with contextlib.suppress(OSError):
             caller.sock.sendto(_bye(text, ok), ("127.0.0.1", sip_port))
