@@ -15,7 +15,8 @@ application, and strangers on the calls' media ports.
 Everything stays on this machine. The addresses a caller's messages name (Via, Contact, From, To, the
 request line) are its own loopback socket's and are only ever dropped or repeated, never garbled; the
 SDP's connection lines name the caller, loopback or one of the fuzzer's UDP sinks on this host's own
-addresses (:class:`surface_fuzzing.Here`), and every message passes :func:`surface_fuzzing.keep_local`.
+addresses (:class:`surface_fuzzing.Here`), and every SDP passes :func:`surface_fuzzing.keep_local`
+(which replaces inet_aton's short forms too: a cut ``192.0.2.2`` is ``192.0``, read as 192.0.0.0).
 """
 
 from __future__ import annotations
@@ -396,14 +397,16 @@ def build_invite(
         if rng.random() < 0.2:
             head += [f"X-Fuzz-{i}: {_junk(rng, 20)}" for i in range(rng.choice([1, 50, 400]))]
             done.append("many headers")
-    body = "\r\n".join(sdp) + "\r\n"
+    body = keep_local("\r\n".join(sdp) + "\r\n", run.here)
     length = len(body.encode("utf-8", "surrogatepass"))
     if mutate and rng.random() < 0.2:
         length = rng.choice([0, length - 7, length + 50, 10**9, -1])
         done.append(f"Content-Length {length}")
     tail = _junk(rng, rng.randrange(1, 80)) if mutate and rng.random() < 0.1 else ""
+    # The head's addresses are the caller's own (only dropped or repeated); the SDP's pass keep_local. The head
+    # does not (its SIP/2.0 would read as an address), nor does the tail (no dots in the junk: no address).
     text = "\r\n".join(head) + f"\r\nContent-Length: {length}\r\n\r\n" + body + tail
-    return keep_local(text, run.here), "; ".join(done) or "well formed"
+    return text, "; ".join(done) or "well formed"
 
 
 async def _call(run: SurfaceRun, rng: random.Random, caller: Caller, sip_port: int, mutate: bool) -> None:
@@ -468,7 +471,7 @@ async def _call(run: SurfaceRun, rng: random.Random, caller: Caller, sip_port: i
         for call_id in _header(text, "call-id")[:1]:
             again = re.sub(r"(?m)^Call-ID: .*$", f"Call-ID: {call_id}", again)
         again = re.sub(r"(?m)^From: .*$", "From: " + (_header(text, "from") or [""])[0], again)
-        raw = keep_local(again, run.here).encode("utf-8", "surrogatepass")[:65000]
+        raw = again.encode("utf-8", "surrogatepass")[:65000]
         caller.record(f"reinvite: {what}", raw)
         with contextlib.suppress(OSError):
             caller.sock.sendto(raw, ("127.0.0.1", sip_port))

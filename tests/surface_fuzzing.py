@@ -23,6 +23,7 @@ import json
 import os
 import random
 import re
+import socket
 import sys
 import threading
 import time
@@ -105,7 +106,13 @@ class Here:
         try:
             ip = ipaddress.ip_address(token)
         except ValueError:
-            return None
+            if not re.fullmatch(r"\d+(\.\d+){1,3}", token):
+                return None
+            # inet_aton's short forms, which a resolver reads as addresses (127.1 is 127.0.0.1, 192.0 is 192.0.0.0)
+            try:
+                ip = ipaddress.IPv4Address(socket.inet_aton(token))
+            except OSError:
+                return False
         if isinstance(ip, ipaddress.IPv6Address) and ip.scope_id:
             return False
         return ip.is_loopback or ip.is_unspecified or str(ip) in self.hosts

@@ -682,7 +682,7 @@ def test_media_sprayed_at_a_call_from_another_address_is_not_heard(tmp_path: Pat
     run(scenario())
 
 
-def test_an_offer_without_g711_is_refused_before_it_rings_and_holds_no_slot(caplog: pytest.LogCaptureFixture) -> None:
+def test_an_offer_without_g711_or_an_ip_address_is_refused_before_it_rings(caplog: pytest.LogCaptureFixture) -> None:
     async def scenario() -> None:
         async with live_server(pool_size=1, sip_port=0, sip_accept=True) as server:
             assert server.phones is not None
@@ -692,9 +692,16 @@ def test_an_offer_without_g711_is_refused_before_it_rings_and_holds_no_slot(capl
             me = sock.getsockname()[1]
             loop = asyncio.get_running_loop()
             try:
-                for n, formats in enumerate(["9 18", "96", "101"]):  # G.722 and G.729, a dynamic type, keys only
+                offers = [
+                    ("127.0.0.1", "9 18"),  # G.722 and G.729
+                    ("127.0.0.1", "96"),  # a dynamic type (Opus)
+                    ("127.0.0.1", "101"),  # keypad events only
+                    ("192.0", "0"),  # not an IP address (a resolver would read 192.0.0.0)
+                    ("pbx.invalid", "0"),  # a host name: a DNS lookup, perhaps off this network
+                ]
+                for n, (address, formats) in enumerate(offers):
                     sdp = (
-                        "v=0\r\no=- 1 1 IN IP4 127.0.0.1\r\ns=-\r\nc=IN IP4 127.0.0.1\r\nt=0 0\r\n"
+                        f"v=0\r\no=- 1 1 IN IP4 127.0.0.1\r\ns=-\r\nc=IN IP4 {address}\r\nt=0 0\r\n"
                         f"m=audio 4000 RTP/AVP {formats}\r\na=rtpmap:96 opus/48000/2\r\n"
                     )
                     invite = (

@@ -11,6 +11,7 @@ the application's WebSocket when one watches the call.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import random
 from http import HTTPStatus
@@ -170,11 +171,12 @@ class PhoneCall:
         chosen = answer.audio.codecs[0].payload_type if answer.audio and answer.audio.codecs else None
         if chosen is not None and all(c.payload_type != chosen for c in offer.audio.codecs):
             return None
-        address = offer.rtp_address
-        if address is not None:
-            self._callers.add(address[0])
-            if media.rtp_session is not None and address[0] not in ("0.0.0.0", "::"):  # not a hold of old
-                media.rtp_session.update_remote(address)
+        address = media_address(offer)
+        if address is None:
+            return None
+        self._callers.add(address[0])
+        if media.rtp_session is not None and address[0] not in ("0.0.0.0", "::"):  # not a hold of old
+            media.rtp_session.update_remote(address)
         return answer
 
     def _heard(self, pcm: bytes, timestamp: int) -> None:
@@ -225,7 +227,11 @@ class PhoneCall:
             frame = playback.next_frame()
             # RTP time runs on through the silences: each talkspurt's frames from when it began.
             stamp = (round((start - answered) / 0.02) + ticks) * FRAME_SAMPLES
-            media.send_audio_pcm(frame.tobytes(), stamp & 0xFFFFFFFF)
+            try:
+                media.send_audio_pcm(frame.tobytes(), stamp & 0xFFFFFFFF)
+            except (OSError, ValueError) as exc:
+                self.end(f"its audio could not be sent: {exc!r}")
+                return
 
     # --- lifecycle ----------------------------------------------------------------
 
@@ -245,11 +251,28 @@ class PhoneCall:
             self._sender.cancel()
 
     async def wait_closed(self) -> None:
-        """Until the call's RTP is closed (after :meth:`end`)."""
+        """Until the call's RTP is closed (after :meth:`end`); the library's failures closing it are logged."""
         if self._sender is not None:
             await asyncio.wait((self._sender,))
+            if not self._sender.cancelled() and self._sender.exception() is not None:
+                log.warning("phone call %s: its sender failed: %r", self.id, self._sender.exception())
         if self.media is not None:
-            await self.media.close()
+            try:
+                await self.media.close()  # its RTCP BYE may fail to send; the sockets close regardless
+            except (OSError, ValueError) as exc:
+                log.warning("phone call %s: closing its RTP: %r", self.id, exc)
+
+
+def media_address(offer: Any) -> tuple[str, int] | None:
+    """Where an SDP offer asks for its audio, when that is an IP address and a port (nothing to look up)."""
+    address = offer.rtp_address if offer is not None and offer.audio is not None else None
+    if address is None or not 0 <= address[1] <= 65535:
+        return None
+    try:
+        ipaddress.ip_address(address[0])
+    except ValueError:
+        return None  # a host name (a DNS lookup, maybe off this network) or no address at all
+    return str(address[0]), int(address[1])
 
 
 def _ports_to_try(ports: range) -> list[int]:

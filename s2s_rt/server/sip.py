@@ -51,7 +51,7 @@ from s2s_rt.protocol.session import Session
 from s2s_rt.server import internals
 from s2s_rt.server.calls import api_error
 from s2s_rt.server.connection import Connections, Refusal
-from s2s_rt.server.phone import CODECS, MAX_WAITING_EVENTS, PhoneCall
+from s2s_rt.server.phone import CODECS, MAX_WAITING_EVENTS, PhoneCall, media_address
 from s2s_rt.server.posts import json_of
 from s2s_rt.server.secrets import session_update
 
@@ -213,8 +213,14 @@ class Phones:
                 invite.reject(486, "Busy Here")
                 return
             offer = invite.sdp_offer
-            if offer is None or offer.audio is None or not any(c.payload_type in CODECS for c in offer.audio.codecs):
-                invite.reject(488, "Not Acceptable Here")  # no audio, or none in G.711: refused before it rings
+            if (
+                media_address(offer) is None
+                or offer is None
+                or offer.audio is None
+                or not any(c.payload_type in CODECS for c in offer.audio.codecs)
+            ):
+                # No audio, none in G.711, or no IP address to send it to: refused before it rings.
+                invite.reject(488, "Not Acceptable Here")
                 return
             slot = await connections.admit()
             if isinstance(slot, Refusal):
@@ -234,7 +240,7 @@ class Phones:
                 invite.reject(500, "Server Internal Error")
         finally:
             call.end(call.why or "session ended")
-            await call.wait_closed()
+            await call.wait_closed()  # never raises: what follows always runs
             self.calls.pop(call.id, None)
             self._by_dialog.pop(invite.call_id, None)
             self._sweep()
