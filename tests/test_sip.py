@@ -698,10 +698,12 @@ def test_an_offer_without_g711_or_an_ip_address_is_refused_before_it_rings(caplo
                     ("127.0.0.1", "101"),  # keypad events only
                     ("192.0", "0"),  # not an IP address (a resolver would read 192.0.0.0)
                     ("pbx.invalid", "0"),  # a host name: a DNS lookup, perhaps off this network
+                    ("::1", "0"),  # IPv6, where the call's RTP binds IPv4 (its socket cannot send there)
                 ]
                 for n, (address, formats) in enumerate(offers):
                     sdp = (
-                        f"v=0\r\no=- 1 1 IN IP4 127.0.0.1\r\ns=-\r\nc=IN IP4 {address}\r\nt=0 0\r\n"
+                        f"v=0\r\no=- 1 1 IN IP4 127.0.0.1\r\ns=-\r\nc=IN IP{6 if ':' in address else 4} {address}"
+                        "\r\nt=0 0\r\n"
                         f"m=audio 4000 RTP/AVP {formats}\r\na=rtpmap:96 opus/48000/2\r\n"
                     )
                     invite = (

@@ -405,5 +405,10 @@ def test_aiortp_hands_each_datagram_to_callbacks_the_guard_can_wrap() -> None:
             assert session._remote_ssrc == 7  # the caller's packet reached the session; the stranger's did not
         finally:
             await session.close()
+        # What a close that failed at its BYE leaves open: the sockets, closed by the helper.
+        session = await RTPSession.create(local_addr=("127.0.0.1", 0), remote_addr=("127.0.0.1", 9), payload_type=0)
+        session._rtcp_task.cancel()
+        internals.close_rtp_sockets(session)
+        assert session._rtp_transport._transport.is_closing() and session._rtcp_transport._transport.is_closing()
 
     run(scenario())

@@ -64,6 +64,9 @@ aiortp (``pyproject.toml``: >=0.8,<0.9; read in 0.8.0), under aiosipua's
   to drop what comes from an address other than the caller's
   (:func:`guard_rtp`). The library takes RTP from anyone (each new SSRC
   resets its jitter buffer), and has no filter of its own.
+- ``RTPSession.close`` sends its RTCP BYE before it closes its two UDP
+  transports: when that send raises, the sockets stay open, so they are
+  closed here (:func:`close_rtp_sockets`).
 """
 
 from __future__ import annotations
@@ -273,3 +276,11 @@ def guard_rtp(rtp_session: Any, allowed: Any) -> None:
                 inner(data, addr)
 
         setattr(transport, hook, guarded)
+
+
+def close_rtp_sockets(rtp_session: Any) -> None:
+    """Close ``rtp_session``'s RTP and RTCP sockets (aiortp's ``close`` left them open when its BYE failed)."""
+    for name in ("_rtp_transport", "_rtcp_transport"):
+        transport = getattr(rtp_session, name, None)
+        if transport is not None:
+            transport.close()

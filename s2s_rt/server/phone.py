@@ -80,6 +80,8 @@ class PhoneCall:
         self.strays = 0
         #: The addresses the caller's media may come from (its offers' and its INVITE's).
         self._callers: set[str] = set()
+        #: The address the call's RTP binds (set when its media starts).
+        self.host = ""
         self._sender: asyncio.Task[None] | None = None
 
     # --- the channel the session writes to -------------------------------------
@@ -139,6 +141,7 @@ class PhoneCall:
             break
         media.on_audio = self._heard
         media.on_dtmf = self._pressed
+        self.host = host
         offered = offer.rtp_address
         self._callers = {self.invite.source_addr[0]} | ({offered[0]} if offered else set())
         internals.guard_rtp(media.rtp_session, self._from_caller)
@@ -171,7 +174,7 @@ class PhoneCall:
         chosen = answer.audio.codecs[0].payload_type if answer.audio and answer.audio.codecs else None
         if chosen is not None and all(c.payload_type != chosen for c in offer.audio.codecs):
             return None
-        address = media_address(offer)
+        address = media_address(offer, self.host)
         if address is None:
             return None
         self._callers.add(address[0])
@@ -258,20 +261,28 @@ class PhoneCall:
                 log.warning("phone call %s: its sender failed: %r", self.id, self._sender.exception())
         if self.media is not None:
             try:
-                await self.media.close()  # its RTCP BYE may fail to send; the sockets close regardless
+                await self.media.close()
             except (OSError, ValueError) as exc:
+                # Its RTCP (a report, or the BYE) failed to send, and the library stopped before its sockets.
                 log.warning("phone call %s: closing its RTP: %r", self.id, exc)
+                internals.close_rtp_sockets(self.media.rtp_session)
 
 
-def media_address(offer: Any) -> tuple[str, int] | None:
-    """Where an SDP offer asks for its audio, when that is an IP address and a port (nothing to look up)."""
+def media_address(offer: Any, host: str) -> tuple[str, int] | None:
+    """Where an SDP offer asks for its audio, when that is an IP address (nothing to look up) of the family
+    of ``host``, the address the call's RTP binds (an IPv4 socket cannot send to an IPv6 address)."""
     address = offer.rtp_address if offer is not None and offer.audio is not None else None
     if address is None or not 0 <= address[1] <= 65535:
         return None
     try:
-        ipaddress.ip_address(address[0])
+        ip = ipaddress.ip_address(address[0])
     except ValueError:
         return None  # a host name (a DNS lookup, maybe off this network) or no address at all
+    try:
+        if ip.version != ipaddress.ip_address(host).version:
+            return None
+    except ValueError:
+        pass  # the server's own host is a name: the socket's family is its resolver's choice
     return str(address[0]), int(address[1])
 
 

@@ -214,7 +214,7 @@ class Phones:
                 return
             offer = invite.sdp_offer
             if (
-                media_address(offer) is None
+                media_address(offer, self.config.sip_host) is None
                 or offer is None
                 or offer.audio is None
                 or not any(c.payload_type in CODECS for c in offer.audio.codecs)
