@@ -9,7 +9,6 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import NamedTuple
-from urllib.parse import parse_qs, urlsplit
 
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed, ConnectionClosedOK
@@ -29,6 +28,7 @@ from s2s_rt.server.direct import DirectConnection
 from s2s_rt.server.handshake import (
     asked_model,
     client_host,
+    names_a_call,
     offered_keys,
     peer,
     wants_beta,
@@ -95,15 +95,8 @@ class Connections:
             f"At most {self.config.max_connections_per_ip} concurrent connections per client address",
         )
 
-    async def handle(
-        self, ws: ServerConnection, *, phone_calls: Callable[[ServerConnection], Awaitable[None]] | None = None
-    ) -> None:
-        """Serve one connection, from its handshake to its close.
-
-        Args:
-            phone_calls: when the server takes phone calls, what serves a WebSocket that names one
-                (``/v1/realtime?call_id=``: the application watching a call's session).
-        """
+    async def handle(self, ws: ServerConnection, *, phone_calls: Callable[..., Awaitable[None]] | None = None) -> None:
+        """Serve one connection, handshake to close (``phone_calls``: one naming a call, ``?call_id=``)."""
         host = client_host(ws, self.trusted)
         within = self.enter(host)
         try:
@@ -505,8 +498,3 @@ class EventBudget:
             self.tokens -= 1.0
             return True
         return False
-
-
-def names_a_call(request: Request | None) -> bool:
-    """Whether a WebSocket's handshake names a call (``?call_id=``) rather than asking for a session."""
-    return request is not None and "call_id" in parse_qs(urlsplit(request.path).query, keep_blank_values=True)

@@ -236,3 +236,9 @@ def _in(host: str, networks: Sequence[ipaddress.IPv4Network | ipaddress.IPv6Netw
     except ValueError:
         return False
     return any(ip in net for net in networks)
+
+
+def names_a_call(request: Request | None) -> bool:
+    """Whether a WebSocket's handshake names a call (``?call_id=``) rather than asking for a session."""
+    query = urllib.parse.urlsplit(request.path).query if request is not None else ""
+    return "call_id" in urllib.parse.parse_qs(query, keep_blank_values=True)
