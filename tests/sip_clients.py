@@ -86,6 +86,21 @@ BYE = """
   <recv response="200" timeout="5000"/>
 """
 
+#: The caller's answer to the server's request just received (a REFER, a BYE): ``{code}`` is its status.
+REPLY = """
+  <send>
+    <![CDATA[
+      SIP/2.0 {code}
+      [last_Via:]
+      [last_From:]
+      [last_To:]
+      [last_Call-ID:]
+      [last_CSeq:]
+      Content-Length: 0
+    ]]>
+  </send>
+"""
+
 
 def answered(
     talk_ms: int, hears_on: int, *, ring: bool = True, keys_after_ms: int | None = None, answer_has: str = ""
@@ -156,19 +171,6 @@ def moved(talk_ms: int, hears_on: int, then_on: int) -> str:
 def transferred(target: str) -> str:
     """A call answered, then transferred by the server to ``target`` (a REFER naming it, answered 202), then
     hung up by it (BYE)."""
-    ok = """
-  <send>
-    <![CDATA[
-      SIP/2.0 {code}
-      [last_Via:]
-      [last_From:]
-      [last_To:]
-      [last_Call-ID:]
-      [last_CSeq:]
-      Content-Length: 0
-    ]]>
-  </send>
-"""
     return _scenario(
         9,
         '<recv response="180" optional="true"/><recv response="200" rtd="true"/>'
@@ -176,9 +178,9 @@ def transferred(target: str) -> str:
         + '<recv request="REFER" timeout="15000"><action>'
         + f'<ereg regexp="Refer-To:.*{re.escape(target)}[>;[:space:]]" search_in="msg" check_it="true" assign_to="to"/>'
         + "</action></recv>"
-        + ok.format(code="202 Accepted")
+        + REPLY.format(code="202 Accepted")
         + '<recv request="BYE" timeout="15000"/>'
-        + ok.format(code="200 OK")
+        + REPLY.format(code="200 OK")
         + '<Reference variables="to"/>',
     )
 
@@ -186,26 +188,13 @@ def transferred(target: str) -> str:
 def silent(hears_on: int, *, bye_within_ms: int, talks_first: bool = False) -> str:
     """A call answered whose caller sends no media (or, ``talks_first``, stops after its ``in.ulaw`` once);
     the server must hang up (BYE, answered 200) in time."""
-    ok = """
-  <send>
-    <![CDATA[
-      SIP/2.0 200 OK
-      [last_Via:]
-      [last_From:]
-      [last_To:]
-      [last_Call-ID:]
-      [last_CSeq:]
-      Content-Length: 0
-    ]]>
-  </send>
-"""
     return _scenario(
         hears_on,
         '<recv response="180" optional="true"/><recv response="200" rtd="true"/>'
         + ACK_2XX
         + ('<nop><action><exec rtp_stream="in.ulaw,1,0"/></action></nop>' if talks_first else "")
         + f'<recv request="BYE" timeout="{bye_within_ms}"/>'
-        + ok,
+        + REPLY.format(code="200 OK"),
     )
 
 

@@ -285,11 +285,13 @@ def _mutate(rng: random.Random, lines: list[str], fixed: set[int], done: list[st
 
 @dataclass
 class Caller:
-    """One caller's socket on its own loopback address, and what it learnt of its call."""
+    """One caller's socket on its own loopback address."""
 
     run: SurfaceRun
     who: str
     me: str
+    #: The server's SIP port (a request the server sends is answered there).
+    sip_port: int
     sock: socket.socket = field(init=False)
 
     def __post_init__(self) -> None:
@@ -330,11 +332,8 @@ class Caller:
             elif first.split(" ", 1)[0] in ("BYE", "REFER", "NOTIFY", "OPTIONS"):
                 self.run.report.stats[f"sip server sent {first.split(' ', 1)[0]}"] += 1
                 with contextlib.suppress(OSError):
-                    self.sock.sendto(_reply(text, "200 OK"), (self.me_server, self.sip_port))
+                    self.sock.sendto(_reply(text, "200 OK"), ("127.0.0.1", self.sip_port))
         return got
-
-    me_server = "127.0.0.1"
-    sip_port = 0
 
 
 def _header(text: str, name: str) -> list[str]:
@@ -414,7 +413,6 @@ async def _call(run: SurfaceRun, rng: random.Random, caller: Caller, sip_port: i
     text, what = build_invite(run, rng, caller, sip_port, "UDP", mutate)
     raw = text.encode("utf-8", "surrogatepass")[:65000]
     caller.record(f"invite: {what}", raw)
-    caller.sip_port = sip_port
     with contextlib.suppress(OSError):
         caller.sock.sendto(raw, ("127.0.0.1", sip_port))
     ok = ""
@@ -496,13 +494,13 @@ async def sip_worker(run: SurfaceRun, index: int, seed: int, sip_port: int, medi
         action = rng.choices(list(actions), weights=list(actions.values()))[0]
         me = f"127.0.{40 + index}.{rng.randrange(1, 9)}"
         if action in ("call", "mutated"):
-            caller = Caller(run, who, me)
+            caller = Caller(run, who, me, sip_port)
             try:
                 await _call(run, rng, caller, sip_port, mutate=action == "mutated")
             finally:
                 caller.close()
         elif action == "tcp":
-            caller = Caller(run, who, me)
+            caller = Caller(run, who, me, sip_port)
             text, what = build_invite(run, rng, caller, sip_port, "TCP", mutate=rng.random() < 0.7)
             raw = text.encode("utf-8", "surrogatepass")
             caller.record(f"tcp invite: {what}", raw)
@@ -522,9 +520,8 @@ async def sip_worker(run: SurfaceRun, index: int, seed: int, sip_port: int, medi
                 pass
         elif action == "flood":
             source = run.fresh_source()
-            caller = Caller(run, who, source)
+            caller = Caller(run, who, source, sip_port)
             try:
-                caller.sip_port = sip_port
                 for _ in range(rng.choice([10, 40])):
                     text, what = build_invite(run, rng, caller, sip_port, "UDP", mutate=rng.random() < 0.3)
                     raw = text.encode("utf-8", "surrogatepass")[:65000]
@@ -535,9 +532,8 @@ async def sip_worker(run: SurfaceRun, index: int, seed: int, sip_port: int, medi
             finally:
                 caller.close()
         elif action == "garbage":
-            caller = Caller(run, who, me)
+            caller = Caller(run, who, me, sip_port)
             try:
-                caller.sip_port = sip_port
                 kind = rng.choice(["bytes", "bye", "cancel", "options", "response"])
                 if kind == "bytes":
                     raw = rng.randbytes(rng.randrange(0, 1400))
