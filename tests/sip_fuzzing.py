@@ -344,7 +344,7 @@ def _reply(request: str, status: str) -> bytes:
     lines = [f"SIP/2.0 {status}"]
     for name in ("via", "from", "to", "call-id", "cseq"):
         lines += [f"{name.title()}: {v}" for v in _header(request, name)]
-    return ("\r\n".join(lines) + "\r\nContent-Length: 0\r\n\r\n").encode()
+    return ("\r\n".join(lines) + "\r\nContent-Length: 0\r\n\r\n").encode("utf-8", "surrogatepass")
 
 
 def _ack(invite: str, ok: str) -> bytes:
@@ -352,7 +352,9 @@ def _ack(invite: str, ok: str) -> bytes:
     lines += [f"From: {v}" for v in _header(invite, "from")[:1]]
     lines += [f"To: {v}" for v in _header(ok, "to")[:1]]
     lines += [f"Call-ID: {v}" for v in _header(invite, "call-id")[:1]]
-    return ("\r\n".join([*lines, "CSeq: 1 ACK", "Max-Forwards: 70"]) + "\r\nContent-Length: 0\r\n\r\n").encode()
+    return ("\r\n".join([*lines, "CSeq: 1 ACK", "Max-Forwards: 70"]) + "\r\nContent-Length: 0\r\n\r\n").encode(
+        "utf-8", "surrogatepass"
+    )
 
 
 def _bye(invite: str, ok: str) -> bytes:
@@ -360,7 +362,9 @@ def _bye(invite: str, ok: str) -> bytes:
     lines += [f"From: {v}" for v in _header(invite, "from")[:1]]
     lines += [f"To: {v}" for v in _header(ok, "to")[:1]]
     lines += [f"Call-ID: {v}" for v in _header(invite, "call-id")[:1]]
-    return ("\r\n".join([*lines, "CSeq: 3 BYE", "Max-Forwards: 70"]) + "\r\nContent-Length: 0\r\n\r\n").encode()
+    return ("\r\n".join([*lines, "CSeq: 3 BYE", "Max-Forwards: 70"]) + "\r\nContent-Length: 0\r\n\r\n").encode(
+        "utf-8", "surrogatepass"
+    )
 
 
 def build_invite(
