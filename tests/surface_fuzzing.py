@@ -1306,7 +1306,8 @@ async def make_offer(shape: str = "call") -> tuple[Any, str]:
     """A peer connection and its offer: ``call`` (microphone and events, as a browser), ``audio``, ``video``."""
     from aiortc import RTCPeerConnection
 
-    from s2s_rt.server.webrtc import EVENTS_LABEL, Playback
+    from s2s_rt.server.webrtc import EVENTS_LABEL
+    from s2s_rt.server.webrtc_audio import Playback
 
     pc = RTCPeerConnection()
     if shape in ("call", "video"):
@@ -1388,7 +1389,8 @@ async def call_worker(run: SurfaceRun, index: int, seed: int) -> None:
     """Real calls one after another, each with a fate: never connects, drops mid-answer, vanishes, overfills…"""
     from aiortc import RTCSessionDescription
 
-    from s2s_rt.server.webrtc import EVENTS_LABEL, Playback
+    from s2s_rt.server.webrtc import EVENTS_LABEL
+    from s2s_rt.server.webrtc_audio import Playback
 
     rng = random.Random(f"{seed}:caller{index}")
     generation = 0
@@ -1400,7 +1402,7 @@ async def call_worker(run: SurfaceRun, index: int, seed: int) -> None:
             from aiortc import RTCPeerConnection
 
             pc = RTCPeerConnection()
-            mic = Playback()
+            mic = Playback(send_silence=rng.random() < 0.7)  # some microphones fall silent, as with DTX
             call = HostileCall(run, label, pc, beta=rng.random() < 0.2)
             call.attach(pc.createDataChannel(EVENTS_LABEL))
             pc.addTrack(mic)

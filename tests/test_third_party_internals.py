@@ -17,7 +17,9 @@ import asyncio
 import collections
 import gc
 import logging
+import queue
 import socket
+import threading
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -35,7 +37,7 @@ from websockets.asyncio.client import connect
 from websockets.asyncio.messages import Assembler
 from websockets.asyncio.server import ServerConnection, serve
 
-from s2s_rt.server import internals, webrtc
+from s2s_rt.server import internals, webrtc, webrtc_audio
 from s2s_rt.server.direct import DirectConnection
 
 
@@ -134,7 +136,7 @@ def test_a_server_refuses_to_start_on_a_websockets_without_them(monkeypatch: pyt
     run(scenario())
 
 
-# --- aiortc: the receiver's jitter buffer (s2s_rt.server.webrtc.hold_less) ---------------------------------
+# --- aiortc: the receiver's jitter buffer (s2s_rt.server.webrtc_audio.hold_less) ---------------------------------
 
 
 async def _offer(pc: RTCPeerConnection) -> str:
@@ -177,7 +179,7 @@ def test_a_calls_audio_passes_through_the_jitter_buffer_put_in(monkeypatch: pyte
             added.append(packet.sequence_number)
             return super().add(packet)
 
-    monkeypatch.setattr(webrtc, "JitterBuffer", Counting)
+    monkeypatch.setattr(webrtc_audio, "JitterBuffer", Counting)
 
     async def scenario() -> None:
         heard: list[bytes] = []
@@ -185,7 +187,7 @@ def test_a_calls_audio_passes_through_the_jitter_buffer_put_in(monkeypatch: pyte
         try:
             receiver = next(t.receiver for t in call.pc.getTransceivers() if t.kind == "audio")
             buffer = getattr(receiver, internals.JITTER_BUFFER)
-            assert type(buffer) is Counting and buffer._prefetch == webrtc.RECEIVE_PREFETCH
+            assert type(buffer) is Counting and buffer._prefetch == webrtc_audio.RECEIVE_PREFETCH
             for _ in range(500):
                 if len(heard) >= 5:
                     break
@@ -213,8 +215,8 @@ def test_an_aiortc_without_the_jitter_buffer_is_said_loudly(
         try:
             receiver = pc.addTransceiver("audio").receiver
             with caplog.at_level(logging.ERROR, "s2s_rt.server.internals"):
-                webrtc.hold_less(receiver)
-                webrtc.hold_less(receiver)
+                webrtc_audio.hold_less(receiver)
+                webrtc_audio.hold_less(receiver)
             assert type(getattr(receiver, internals.JITTER_BUFFER)) is JitterBuffer  # aiortc's own, left alone
         finally:
             await pc.close()
@@ -223,6 +225,79 @@ def test_an_aiortc_without_the_jitter_buffer_is_said_loudly(
     internals._buffer_kept.cache_clear()
     [record] = [r for r in caplog.records if "jitter buffer" in r.getMessage()]  # said once
     assert record.getMessage().startswith(f"aiortc {internals.version('aiortc')}: RTCRtpReceiver._handle_rtp_packet")
+
+
+# --- aiortc: the receiver's decoder queue (s2s_rt.server.webrtc_audio.hear_on_the_loop) --------------------
+
+
+def _decoder_threads() -> int:
+    return sum(t.name == "audio-decoder" for t in threading.enumerate())
+
+
+def test_a_calls_audio_is_decoded_on_the_loop_and_aiortcs_thread_ends_with_the_call() -> None:
+    async def scenario() -> None:
+        before = _decoder_threads()
+        pc = RTCPeerConnection()
+        try:
+            receiver = pc.addTransceiver("audio").receiver
+            assert internals.decoder_queue_missing(receiver) is None
+            assert type(getattr(receiver, internals.DECODER_QUEUE)) is queue.Queue
+        finally:
+            await pc.close()
+        heard: list[bytes] = []
+        call, peer = await _call(heard)
+        try:
+            receiver = next(t.receiver for t in call.pc.getTransceivers() if t.kind == "audio")
+            assert type(getattr(receiver, internals.DECODER_QUEUE)) is webrtc_audio.Hearing
+            for _ in range(500):
+                if len(heard) >= 5:
+                    break
+                await asyncio.sleep(0.02)
+            # 20 ms of mono PCM16 at 48 kHz a packet, decoded where it came (the loop's thread).
+            assert len(heard) >= 5 and {len(pcm) for pcm in heard} == {1920}
+            assert getattr(receiver, internals.DECODER_THREAD).is_alive()  # aiortc's, waiting
+        finally:
+            call.end("test over")
+            await call.wait_closed()
+            await peer.close()
+        # aiortc's thread took the stop from the stand-in and ended: none is left behind.
+        for _ in range(100):
+            if _decoder_threads() <= before:
+                break
+            await asyncio.sleep(0.02)
+        assert _decoder_threads() <= before
+
+    run(scenario())
+
+
+def test_a_receiver_already_started_keeps_its_queue_and_an_aiortc_without_one_is_said_loudly(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    internals._decoder_kept.cache_clear()
+
+    async def scenario() -> None:
+        pc = RTCPeerConnection()
+        try:
+            receiver = pc.addTransceiver("audio").receiver
+            setattr(receiver, internals.DECODER_THREAD, threading.current_thread())  # as if started
+            with caplog.at_level(logging.ERROR, "s2s_rt.server.internals"):
+                assert not webrtc_audio.hear_on_the_loop(receiver, lambda pcm: None, lambda why: None, "rtc_x")
+            assert type(getattr(receiver, internals.DECODER_QUEUE)) is queue.Queue  # left alone
+            setattr(receiver, internals.DECODER_THREAD, None)
+            setattr(receiver, internals.DECODER_QUEUE, [])
+            with caplog.at_level(logging.ERROR, "s2s_rt.server.internals"):
+                assert not webrtc_audio.hear_on_the_loop(receiver, lambda pcm: None, lambda why: None, "rtc_x")
+                assert not webrtc_audio.hear_on_the_loop(receiver, lambda pcm: None, lambda why: None, "rtc_x")
+            setattr(receiver, internals.DECODER_QUEUE, queue.Queue())
+        finally:
+            await pc.close()
+
+    run(scenario())
+    internals._decoder_kept.cache_clear()
+    said = [r.getMessage() for r in caplog.records if "decoded on aiortc's thread" in r.getMessage()]
+    assert len(said) == 2  # each reason once
+    assert said[0].startswith(f"aiortc {internals.version('aiortc')}: the receiver's {internals.DECODER_THREAD}")
+    assert "is not a queue.Queue" in said[1]
 
 
 # --- aiortc: the peer's largest message (s2s_rt.server.webrtc.max_message_size) ------------------------------

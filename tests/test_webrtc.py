@@ -158,10 +158,11 @@ def test_barge_in_over_webrtc_truncates_the_item_at_what_was_played_and_clears_t
                 item = (await call.next_event("conversation.item.retrieved", 5))["item"]
                 kept = item["content"][0]["transcript"].split()
                 assert 0 < len(kept) < 50
-                # And the track goes quiet: nothing of the cleared answer plays on.
+                # And the track goes quiet: nothing of the cleared answer plays on (the server sends nothing
+                # while it has nothing to play; whatever still comes is silence).
                 await asyncio.sleep(0.5)
                 after = call.heard_between(time.perf_counter() - 0.3)
-                assert after.size and np.abs(after).max() < 300
+                assert after.size == 0 or np.abs(after).max() < 300
                 conformant(call)
 
     run(scenario())

@@ -19,7 +19,8 @@ from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 from av import AudioFrame
 
 from s2s_rt.audio import AudioFormat
-from s2s_rt.server.webrtc import EVENTS_LABEL, Playback, mono_pcm16
+from s2s_rt.server.webrtc import EVENTS_LABEL
+from s2s_rt.server.webrtc_audio import Playback, mono_pcm16
 
 MIC_FORMAT = AudioFormat("audio/pcm", 24_000)
 
@@ -36,7 +37,7 @@ class CallClient:
     def __init__(self) -> None:
         self.pc = RTCPeerConnection()
         #: The microphone: what :meth:`speak` queues plays in real time, silence otherwise.
-        self.mic = Playback()
+        self.mic = Playback(send_silence=True)
         self.channel = self.pc.createDataChannel(EVENTS_LABEL)
         self.events: list[dict[str, Any]] = []
         self._inbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()

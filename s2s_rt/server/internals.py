@@ -25,7 +25,13 @@ aiortc (``pyproject.toml``: >=1.14; read in 1.14.0 and 1.16.0), used by
 
 - ``RTCRtpReceiver.__jitter_buffer`` (name-mangled), made in ``__init__``
   with a 4-packet prefetch and read by ``_handle_rtp_packet``: replaced
-  with a 1-packet one (:func:`~s2s_rt.server.webrtc.hold_less`).
+  with a 1-packet one (:func:`~s2s_rt.server.webrtc_audio.hold_less`).
+- ``RTCRtpReceiver.__decoder_queue`` (name-mangled), a ``queue.Queue`` made
+  in ``__init__``: ``_handle_rtp_packet`` puts each ``(codec, encoded
+  frame)`` on it, ``receive`` hands it to the decoder thread it starts (which
+  calls ``get()`` until it takes ``None``), and stopping puts ``None``.
+  Replaced before ``receive`` with an object whose ``put`` decodes on the
+  loop (:class:`~s2s_rt.server.webrtc_audio.Hearing`).
 - ``RTCSctpTransport._remote_max_message_size`` (1.16.0; 1.14.0 has none):
   an event too large is refused by name before aiortc's ``ValueError``,
   which is caught as well
@@ -76,6 +82,7 @@ import collections
 import functools
 import importlib.metadata
 import logging
+import queue
 from typing import Any
 
 import aioice.ice
@@ -90,6 +97,9 @@ log = logging.getLogger(__name__)
 
 #: The receiver's jitter buffer, as ``RTCRtpReceiver`` names its private attribute.
 JITTER_BUFFER = "_RTCRtpReceiver__jitter_buffer"
+#: The queue the receiver puts each encoded frame on for its decoder thread, and that thread.
+DECODER_QUEUE = "_RTCRtpReceiver__decoder_queue"
+DECODER_THREAD = "_RTCRtpReceiver__decoder_thread"
 #: The versions whose source was read, by package (what a failed check's message names).
 CHECKED = {
     "websockets": "17.0 and 17.4",
@@ -284,3 +294,28 @@ def close_rtp_sockets(rtp_session: Any) -> None:
         transport = getattr(rtp_session, name, None)
         if transport is not None:
             transport.close()
+
+
+def decoder_queue_missing(receiver: Any) -> str | None:
+    """Why ``receiver``'s decoder queue cannot be replaced on the installed aiortc; None: it can."""
+    for method in ("_handle_rtp_packet", "receive"):
+        if not names(getattr(RTCRtpReceiver, method, None), DECODER_QUEUE):
+            return f"RTCRtpReceiver.{method} does not read {DECODER_QUEUE}"
+    if not isinstance(getattr(receiver, DECODER_QUEUE, None), queue.Queue):
+        return f"the receiver's {DECODER_QUEUE} is not a queue.Queue"
+    if getattr(receiver, DECODER_THREAD, True) is not None:
+        return f"the receiver's {DECODER_THREAD} has started"
+    return None
+
+
+def decoder_queue_replaceable(receiver: Any) -> bool:
+    """Whether ``receiver``'s decoder queue can be replaced; when not, an error in the log says why, once."""
+    missing = decoder_queue_missing(receiver)
+    if missing:
+        _decoder_kept(missing)
+    return missing is None
+
+
+@functools.cache
+def _decoder_kept(why: str) -> None:
+    log.error("%s; calls' audio is decoded on aiortc's thread (more CPU per call)", gone("aiortc", why))

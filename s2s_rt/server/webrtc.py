@@ -22,76 +22,28 @@ back, as when a WebSocket closes. (Past aiortc's and aioice's public API: :mod:`
 from __future__ import annotations
 
 import asyncio
-import fractions
 import logging
-import os
 import random
-import time
 from collections.abc import Callable
 from typing import Any
 
 import aioice.ice
-import numpy as np
 from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCSessionDescription
-from aiortc.jitterbuffer import JitterBuffer
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 from av import AudioFrame
 
-from s2s_rt.audio import AudioFormat, resample
 from s2s_rt.pipeline.ports import EventTooLarge
 from s2s_rt.server import internals
-from s2s_rt.server.playout import CallEnded, Playout
+from s2s_rt.server.playout import CallEnded
+from s2s_rt.server.webrtc_audio import HEARD_FORMAT, Playback, hear_on_the_loop, hold_less, mono_pcm16
 
 log = logging.getLogger(__name__)
 
-#: What the outgoing track plays: 24 kHz mono PCM16 in 20 ms frames (aiortc's Opus encoder resamples to 48 kHz).
-PLAY_RATE = 24_000
-FRAME_SAMPLES = PLAY_RATE // 50
-#: What the media track's Opus decodes to, as the listening clock takes it: mono PCM16 at 48 kHz.
-HEARD_FORMAT = AudioFormat("audio/pcm", 48_000)
-#: A receiver plays what it is sent this much later (its jitter buffer, the codec): what the server played
-#: that recently has not been heard yet. Measured here: aiortc's receiver 100-120 ms behind the track
-#: (a 4-packet prefetch); browsers' jitter buffers hold some 20-80 ms on a quiet network.
-HEARD_DELAY_MS = 60.0
 #: The data channel's events wait while more than this is buffered for the client (its ``bufferedAmount``).
 CHANNEL_HIGH_WATER = 1 << 20
 EVENTS_LABEL = "oai-events"
 #: Events a call's data channel may have delivered and its session not yet read before the call ends.
 MAX_WAITING_EVENTS = 4096
-
-
-class Playback(Playout, MediaStreamTrack):
-    """A call's outgoing track: what the session's answers say (:class:`~s2s_rt.server.playout.Playout`), paced in
-    real time as aiortc asks for each 20 ms frame."""
-
-    kind = "audio"
-
-    def __init__(self) -> None:
-        MediaStreamTrack.__init__(self)
-        Playout.__init__(self, PLAY_RATE, FRAME_SAMPLES, HEARD_DELAY_MS)
-        self._start: float | None = None
-        self._pts = 0
-
-    async def recv(self) -> AudioFrame:
-        if self.readyState != "live":
-            raise MediaStreamError
-        if self._start is None:
-            self._start = time.monotonic()
-        else:
-            self._pts += FRAME_SAMPLES
-            wait = self._start + self._pts / PLAY_RATE - time.monotonic()
-            if wait > 0:
-                await asyncio.sleep(wait)
-            elif wait < -0.2:
-                # The loop fell behind (a stall): start counting again rather than send a burst.
-                self._start, self._pts = time.monotonic(), 0
-        out = self.next_frame()
-        # Both channels the same: a mono frame, upmixed by the encoder's resampler, comes out 3 dB quieter.
-        frame = AudioFrame.from_ndarray(np.repeat(out, 2).reshape(1, -1), format="s16", layout="stereo")
-        frame.sample_rate = PLAY_RATE
-        frame.pts = self._pts
-        frame.time_base = fractions.Fraction(1, PLAY_RATE)
-        return frame
 
 
 class Call:
@@ -113,7 +65,7 @@ class Call:
     def __init__(self, call_id: str, configuration: RTCConfiguration) -> None:
         self.id = call_id
         self.pc = RTCPeerConnection(configuration)
-        self.playback = Playback()
+        self.playback = Playback()  # sends nothing while it has nothing to play
         self.channel: Any = None
         self.inbox: asyncio.Queue[str | bytes | None] = asyncio.Queue()
         #: Set when the events channel opens (ICE and DTLS are done).
@@ -181,6 +133,8 @@ class Call:
         audio[0].sender.replaceTrack(self.playback)
         audio[0].direction = "sendrecv"
         hold_less(audio[0].receiver)
+        # Its audio is decoded as it comes, on the loop (else aiortc's thread delivers it to the track: _listen).
+        hear_on_the_loop(audio[0].receiver, self._heard, self.end, self.id)
         answer = await self.pc.createAnswer()
         await self.pc.setLocalDescription(answer)
         internals.require_ports_in_range(sdp := str(self.pc.localDescription.sdp))  # not ports a firewall drops
@@ -250,24 +204,27 @@ class Call:
             self.end(f"peer connection {self.pc.connectionState}")
 
     async def _listen(self, track: MediaStreamTrack) -> None:
-        """The caller's audio, decoded, in mono, to whoever hears the call now."""
+        """The caller's audio as the track delivers it, in mono, to :meth:`_heard` (a track whose packets are
+        decoded on the loop delivers none; this only waits for its end)."""
         while not self.gone.is_set():
             try:
                 frame = await track.recv()
             except MediaStreamError:
                 return
-            hear = self.hear
-            if not isinstance(frame, AudioFrame):
-                continue
-            if hear is None:
-                continue
-            try:
-                hear(mono_pcm16(frame))
-            except Exception:
-                # This call's share of the hearing failed: it ends, alone.
-                log.exception("call %s: its audio could not be heard; ending it", self.id)
-                self.end("internal error while hearing its audio")
-                return
+            if isinstance(frame, AudioFrame):
+                self._heard(mono_pcm16(frame))
+
+    def _heard(self, pcm: bytes) -> None:
+        """20 ms of the caller's audio (mono PCM16 at 48 kHz), to whoever hears the call now."""
+        hear = self.hear
+        if hear is None:
+            return
+        try:
+            hear(pcm)
+        except Exception:
+            # This call's share of the hearing failed: it ends, alone.
+            log.exception("call %s: its audio could not be heard; ending it", self.id)
+            self.end("internal error while hearing its audio")
 
     async def _drained(self, channel: Any) -> None:
         low = asyncio.Event()
@@ -308,38 +265,6 @@ def max_message_size(channel: Any) -> int:
     aiortc keeps it privately on the SCTP transport (since 1.16) and refuses a larger one with ``ValueError``.
     """
     return int(getattr(getattr(channel, "transport", None), "_remote_max_message_size", 0) or 0)
-
-
-#: Packets aiortc's receiver holds before it decodes one: its own default is 4 (80 ms more before the
-#: server hears each word's end); 1 still puts packets back in order when the next one has come.
-RECEIVE_PREFETCH = int(os.environ.get("S2S_RT_CALL_PREFETCH", "1"))
-
-
-def hold_less(receiver: Any) -> None:
-    """Give a call's audio receiver a jitter buffer that holds :data:`RECEIVE_PREFETCH` packets.
-
-    aiortc fixes it at four packets and offers no setting; its buffer is
-    replaced before the first packet arrives (where aiortc no longer allows
-    it, the receiver keeps its own).
-    """
-    if internals.jitter_buffer_replaceable(receiver):
-        setattr(receiver, internals.JITTER_BUFFER, JitterBuffer(capacity=16, prefetch=RECEIVE_PREFETCH))
-
-
-def mono_pcm16(frame: AudioFrame) -> bytes:
-    """A decoded frame as mono PCM16 at its rate (aiortc's Opus decoder gives packed stereo at 48 kHz)."""
-    pcm = frame.to_ndarray()
-    channels = len(frame.layout.channels)
-    if frame.format.is_planar:
-        samples = pcm.astype(np.int32).mean(axis=0) if pcm.shape[0] > 1 else pcm[0]
-    elif channels > 1:
-        samples = pcm.reshape(-1, channels).astype(np.int32).mean(axis=1)
-    else:
-        samples = pcm.reshape(-1)
-    if frame.sample_rate != HEARD_FORMAT.rate:
-        floats = resample(np.asarray(samples, dtype=np.float32) / 32768.0, frame.sample_rate, HEARD_FORMAT.rate)
-        samples = np.clip(np.round(floats * 32767.0), -32768, 32767)
-    return np.asarray(samples, dtype="<i2").tobytes()
 
 
 def bind_media_in(ports: range) -> None:

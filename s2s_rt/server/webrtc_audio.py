@@ -1,0 +1,264 @@
+"""A WebRTC call's audio both ways: the answers' track (:class:`Playback`) and the caller's voice (:class:`Hearing`).
+
+aiortc carries the media (ICE, DTLS, SRTP, RTP and RTCP); what it would
+also do per 20 ms frame for features the server does not use is done here
+more cheaply, because a silent call is what a server of many calls holds
+most of the time:
+
+- **Out:** the track encodes its own 24 kHz mono Opus at 32 kb/s and hands
+  aiortc finished packets, where aiortc would upmix each frame to stereo,
+  resample it to 48 kHz, measure its level for a header extension and encode
+  it at 96 kb/s on a thread of the loop's executor. While it has nothing to
+  play it sends nothing (as after Opus DTX: RTP time runs on, and receivers
+  play nothing between two talkspurts).
+- **In:** each packet aiortc's jitter buffer releases is decoded on the loop
+  as it comes, straight to mono, and heard, where aiortc would pass it to a
+  thread of its own and each decoded frame back to the loop and a task.
+
+(Past aiortc's public API: :mod:`~s2s_rt.server.internals`.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fractions
+import functools
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import av
+import numpy as np
+import numpy.typing as npt
+from aiortc.codecs import get_decoder
+from aiortc.jitterbuffer import JitterBuffer
+from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
+from av import AudioFrame, CodecContext, Packet
+
+from s2s_rt.audio import AudioFormat, resample
+from s2s_rt.server import internals
+from s2s_rt.server.playout import Playout
+
+log = logging.getLogger(__name__)
+
+#: What the outgoing track plays: 24 kHz mono PCM16 in 20 ms frames, as Opus encodes it.
+PLAY_RATE = 24_000
+FRAME_SAMPLES = PLAY_RATE // 50
+FRAME_S = 0.02
+PLAY_TIME_BASE = fractions.Fraction(1, PLAY_RATE)
+#: Opus's RTP clock runs at 48 kHz whatever the audio's rate: 960 ticks a 20 ms frame.
+OPUS_TIME_BASE = fractions.Fraction(1, 48_000)
+OPUS_FRAME = 960
+#: Speech in mono (a browser's own Opus sends 32 kb/s; aiortc's encoder 96 kb/s in stereo).
+OPUS_BITRATE = 32_000
+#: What the caller's Opus decodes to, as the listening clock takes it: mono PCM16 at 48 kHz (libopus
+#: through FFmpeg decodes at 48 kHz only).
+HEARD_FORMAT = AudioFormat("audio/pcm", 48_000)
+#: A receiver plays what it is sent this much later (its jitter buffer, the codec): what the server played
+#: that recently has not been heard yet. Measured here: aiortc's receiver 100-120 ms behind the track
+#: (a 4-packet prefetch); browsers' jitter buffers hold some 20-80 ms on a quiet network.
+HEARD_DELAY_MS = 60.0
+#: Packets aiortc's receiver holds before it decodes one: its own default is 4 (80 ms more before the
+#: server hears each word's end); 1 still puts packets back in order when the next one has come.
+RECEIVE_PREFETCH = int(os.environ.get("S2S_RT_CALL_PREFETCH", "1"))
+
+
+class Playback(Playout, MediaStreamTrack):
+    """A call's outgoing track: what the session's answers say (:class:`~s2s_rt.server.playout.Playout`), paced in
+    real time, 20 ms at a time, as Opus packets that aiortc only wraps in RTP.
+
+    While nothing is queued it sends nothing (``send_silence=False``, the server's side): no frame is made,
+    encoded, encrypted or sent until an answer's audio is queued, and that audio's first packet goes at once.
+    RTP time runs on through the gaps, as after a DTX silence. A microphone (the load script's and the
+    tests' callers) sends silence as a browser's does: ``send_silence=True``.
+    """
+
+    kind = "audio"
+
+    def __init__(self, *, send_silence: bool = False) -> None:
+        MediaStreamTrack.__init__(self)
+        Playout.__init__(self, PLAY_RATE, FRAME_SAMPLES, HEARD_DELAY_MS)
+        self.send_silence = send_silence
+        self._encoder = opus_encoder()
+        #: When the first frame went, and how many 20 ms frames since: RTP time is ``_index * 960`` at 48 kHz.
+        self._origin: float | None = None
+        self._index = 0
+
+    def stop(self) -> None:
+        super().stop()
+        self.queued.set()  # a track waiting for audio ends now
+
+    async def recv(self) -> Packet[Any]:
+        while True:
+            if self.readyState != "live":
+                raise MediaStreamError
+            now = time.monotonic()
+            if self._origin is None:
+                self._origin = now
+            else:
+                self._index += 1
+                if self.idle and not self.send_silence:
+                    self.queued.clear()
+                    await self.queued.wait()
+                    if self.readyState != "live":
+                        raise MediaStreamError
+                    now = time.monotonic()
+                    # A talkspurt begins: its first frame goes now, stamped with the time that has passed.
+                    self._index = max(self._index, int((now - self._origin) / FRAME_S))
+                wait = self._origin + self._index * FRAME_S - now
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                elif wait < -0.2:
+                    # The loop fell behind (a stall): go on from now rather than send a burst.
+                    self._index = int((now - self._origin) / FRAME_S)
+            packet = self._encode(self.next_frame())
+            if packet is not None:
+                return packet
+
+    def _encode(self, samples: npt.NDArray[np.int16]) -> Packet[Any] | None:
+        frame = AudioFrame.from_ndarray(samples.reshape(1, -1), format="s16", layout="mono")
+        frame.sample_rate = PLAY_RATE
+        frame.pts = self._index * FRAME_SAMPLES
+        frame.time_base = PLAY_TIME_BASE
+        packets = self._encoder.encode(frame)
+        if not packets:
+            return None
+        packet: Packet[Any] = packets[0]
+        packet.pts = self._index * OPUS_FRAME
+        packet.time_base = OPUS_TIME_BASE
+        return packet
+
+
+def opus_encoder() -> Any:
+    """libopus for one call's outgoing audio: 24 kHz mono in 20 ms frames, 32 kb/s, tuned for speech."""
+    codec = CodecContext.create("libopus", "w")
+    codec.bit_rate = OPUS_BITRATE
+    codec.format = "s16"
+    codec.layout = "mono"
+    codec.sample_rate = PLAY_RATE
+    codec.time_base = PLAY_TIME_BASE
+    codec.options = {"application": "voip"}
+    return codec
+
+
+class Hearing:
+    """Stands in for an aiortc receiver's decoder queue: each packet put on it is decoded at once, on the loop,
+    to mono PCM16 at 48 kHz (:data:`HEARD_FORMAT`), and handed to ``heard``.
+
+    aiortc's receiver puts each encoded frame its jitter buffer releases
+    (``(codec, frame)``) on a queue that a thread of its own takes from; this
+    decodes it where it is put (Opus: some 50-80 µs a frame). aiortc's thread,
+    which still starts, waits in :meth:`get` until the receiver stops
+    (``put(None)``), and then ends the track as it would have.
+
+    Nothing it is handed raises into aiortc: a packet that does not decode is
+    skipped (as aiortc does), and any other failure ends the call alone.
+
+    Args:
+        heard: takes each decoded frame; it must not raise (the call's own handler ends the call instead).
+        end: ends the call, saying why.
+        call_id: the call, as the log names it.
+    """
+
+    def __init__(self, heard: Callable[[bytes], None], end: Callable[[str], None], call_id: str) -> None:
+        self._heard = heard
+        self._end = end
+        self._call_id = call_id
+        self._stopped = threading.Event()
+        self._codec: str | None = None
+        self._decode: Callable[[Any], list[Any]] = list
+
+    def put(self, task: tuple[Any, Any] | None) -> None:
+        if task is None:
+            self._stopped.set()
+            return
+        codec, encoded = task
+        try:
+            if codec.name != self._codec:
+                self._decode, self._codec = decoder(codec), codec.name
+            frames = self._decode(encoded)
+        except av.FFmpegError as exc:
+            # A packet that does not decode is skipped, as aiortc does (the decoder keeps its state).
+            _undecodable(self._call_id, codec.name, str(exc))
+            return
+        except Exception:
+            log.exception("call %s: its audio could not be decoded; ending it", self._call_id)
+            self._end("internal error while decoding its audio")
+            return
+        for frame in frames:
+            self._heard(mono_pcm16(frame))
+
+    def get(self) -> None:
+        """aiortc's decoder thread: nothing to decode there; it returns once the receiver stops."""
+        self._stopped.wait()
+
+
+def decoder(codec: Any) -> Callable[[Any], list[Any]]:
+    """Decodes one of aiortc's encoded frames (``data``, ``timestamp``) of ``codec`` into audio frames.
+
+    Opus decodes straight to mono (aiortc's own decoder gives stereo, for the call to mix down again);
+    any other codec a peer may choose (G.711, G.722) decodes as aiortc does.
+    """
+    if codec.name.lower() != "opus":
+        return get_decoder(codec).decode
+    context = CodecContext.create("libopus", "r")
+    context.format = "s16"
+    context.layout = "mono"
+    context.sample_rate = HEARD_FORMAT.rate
+
+    def decode(encoded: Any) -> list[Any]:
+        packet = Packet(encoded.data)
+        packet.pts = encoded.timestamp
+        packet.time_base = OPUS_TIME_BASE
+        return list(context.decode(packet))
+
+    return decode
+
+
+@functools.lru_cache(maxsize=64)
+def _undecodable(call_id: str, codec: str, why: str) -> None:
+    log.warning("call %s: a %s packet did not decode (%s); skipped", call_id, codec, why)
+
+
+def hear_on_the_loop(receiver: Any, heard: Callable[[bytes], None], end: Callable[[str], None], call_id: str) -> bool:
+    """Make ``receiver`` decode on the loop and hand each frame to ``heard`` (:class:`Hearing`), before it
+    starts; False where aiortc no longer allows it (its track then delivers the frames, as aiortc's own)."""
+    if not internals.decoder_queue_replaceable(receiver):
+        return False
+    setattr(receiver, internals.DECODER_QUEUE, Hearing(heard, end, call_id))
+    return True
+
+
+def hold_less(receiver: Any) -> None:
+    """Give a call's audio receiver a jitter buffer that holds :data:`RECEIVE_PREFETCH` packets.
+
+    aiortc fixes it at four packets and offers no setting; its buffer is
+    replaced before the first packet arrives (where aiortc no longer allows
+    it, the receiver keeps its own).
+    """
+    if internals.jitter_buffer_replaceable(receiver):
+        setattr(receiver, internals.JITTER_BUFFER, JitterBuffer(capacity=16, prefetch=RECEIVE_PREFETCH))
+
+
+def mono_pcm16(frame: AudioFrame) -> bytes:
+    """A decoded frame as mono PCM16 at 48 kHz (:data:`HEARD_FORMAT`; aiortc's Opus decoder gives packed stereo)."""
+    channels = len(frame.layout.channels)
+    if channels == 1 and frame.format.name == "s16" and frame.sample_rate == HEARD_FORMAT.rate:
+        return bytes(frame.planes[0])[: 2 * frame.samples]  # already what is heard (Opus, decoded here)
+    pcm = frame.to_ndarray()
+    if frame.format.is_planar:
+        samples = pcm.astype(np.int32).mean(axis=0) if pcm.shape[0] > 1 else pcm[0]
+    elif channels == 2:  # integer halves: several times cheaper than a mean, 50 frames a second
+        flat = pcm.reshape(-1).astype(np.int32)
+        samples = (flat[0::2] + flat[1::2]) >> 1
+    elif channels > 1:
+        samples = pcm.reshape(-1, channels).astype(np.int32).mean(axis=1)
+    else:
+        samples = pcm.reshape(-1)
+    if frame.sample_rate != HEARD_FORMAT.rate:
+        floats = resample(np.asarray(samples, dtype=np.float32) / 32768.0, frame.sample_rate, HEARD_FORMAT.rate)
+        samples = np.clip(np.round(floats * 32767.0), -32768, 32767)
+    return np.asarray(samples, dtype="<i2").tobytes()

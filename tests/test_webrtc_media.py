@@ -1,0 +1,149 @@
+"""A call's audio both ways, as its peer has it: what the server's track sends (and, while silent, does not),
+and how the caller's packets are decoded and heard (:mod:`s2s_rt.server.webrtc_audio`)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+from aiortc import RTCRtpCodecParameters
+from aiortc.jitterbuffer import JitterFrame
+from aiortc.mediastreams import MediaStreamError
+from av import CodecContext, Packet
+from conftest import live_server, run, silence, tone
+
+from s2s_rt.audio import AudioFormat
+from s2s_rt.bench.call import CallClient
+from s2s_rt.server.webrtc_audio import OPUS_FRAME, OPUS_TIME_BASE, Hearing, Playback
+
+OPUS = RTCRtpCodecParameters(mimeType="audio/opus", clockRate=48000, channels=2, payloadType=111)
+PCMU = RTCRtpCodecParameters(mimeType="audio/PCMU", clockRate=8000, channels=1, payloadType=0)
+SAY = AudioFormat("audio/pcm", 24_000)
+
+
+def decoded(packet: Packet) -> np.ndarray:
+    """What a receiver's Opus decoder makes of one of the track's packets (48 kHz, as aiortc decodes)."""
+    context = CodecContext.create("libopus", "r")
+    context.format, context.layout, context.sample_rate = "s16", "mono", 48_000
+    return np.concatenate([f.to_ndarray().reshape(-1) for f in context.decode(packet)])
+
+
+async def timed_recv(track: Playback, timeout: float) -> tuple[Packet | None, float]:
+    start = time.monotonic()
+    try:
+        packet = await asyncio.wait_for(track.recv(), timeout)
+    except TimeoutError:
+        return None, time.monotonic() - start
+    return packet, time.monotonic() - start
+
+
+def test_the_servers_track_sends_nothing_while_silent_and_its_rtp_time_runs_on() -> None:
+    async def scenario() -> None:
+        track = Playback()
+        first, _ = await timed_recv(track, 1.0)
+        assert first is not None and first.pts == 0 and first.time_base == OPUS_TIME_BASE
+        # Nothing to play: no packet comes.
+        nothing, _ = await timed_recv(track, 0.4)
+        assert nothing is None
+        # Audio is queued: its first packet goes at once, stamped with the time that has passed.
+        t0 = time.monotonic()
+        track.play("resp_1", "item_1", tone(440, 0.2), SAY)
+        track.finish("resp_1")
+        talk = [p for p in [await track.recv() for _ in range(10)]]
+        took = time.monotonic() - t0
+        assert talk[0].pts % OPUS_FRAME == 0 and talk[0].pts >= OPUS_FRAME * 20  # 0.4 s and more had passed
+        assert [p.pts - talk[0].pts for p in talk] == [OPUS_FRAME * i for i in range(10)]
+        assert 0.15 <= took <= 0.5  # paced: 10 frames of 20 ms, the first at once
+        assert np.abs(decoded(talk[5])).max() > 1000  # the tone, not silence
+        # Once it has all played, the track falls silent again; stopped, its waiting sender ends.
+        waiting = asyncio.ensure_future(track.recv())
+        await asyncio.sleep(0.3)
+        assert not waiting.done()
+        track.stop()
+        with pytest.raises(MediaStreamError):
+            await asyncio.wait_for(waiting, 1.0)
+
+    run(scenario())
+
+
+def test_a_microphone_sends_silence_every_20_ms() -> None:
+    async def scenario() -> None:
+        mic = Playback(send_silence=True)
+        packets = [await mic.recv() for _ in range(15)]
+        assert [p.pts for p in packets] == [OPUS_FRAME * i for i in range(15)]
+        assert np.abs(decoded(packets[-1])).max() < 50
+        mic.stop()
+
+    run(scenario())
+
+
+def _opus_packets(samples: np.ndarray) -> list[bytes]:
+    from s2s_rt.server.webrtc_audio import opus_encoder
+
+    encoder = opus_encoder()
+    out = []
+    for i in range(len(samples) // 480):
+        from av import AudioFrame
+
+        frame = AudioFrame.from_ndarray(samples[i * 480 : (i + 1) * 480].reshape(1, -1), format="s16", layout="mono")
+        frame.sample_rate, frame.pts = 24_000, i * 480
+        out += [bytes(p) for p in encoder.encode(frame)]
+    return out
+
+
+def test_the_callers_packets_are_heard_as_mono_48k_and_one_that_does_not_decode_is_skipped() -> None:
+    heard: list[bytes] = []
+    ended: list[str] = []
+    hearing = Hearing(heard.append, ended.append, "rtc_test")
+    speech = np.frombuffer(tone(300, 0.2), dtype="<i2")
+    packets = _opus_packets(speech)
+    hearing.put((OPUS, JitterFrame(packets[0], 0)))
+    hearing.put((OPUS, JitterFrame(b"\xff\xff\xff\xff" * 40, OPUS_FRAME)))  # not Opus: skipped
+    for i, packet in enumerate(packets[1:], start=2):
+        hearing.put((OPUS, JitterFrame(packet, i * OPUS_FRAME)))
+    assert ended == [] and len(heard) >= len(packets) - 1
+    assert {len(pcm) for pcm in heard} == {1920}  # 20 ms of mono PCM16 at 48 kHz
+    assert np.abs(np.frombuffer(heard[-1], dtype="<i2")).max() > 1000
+    # G.711, should a peer choose it: heard at 48 kHz as well.
+    hearing.put((PCMU, JitterFrame(b"\x00" * 160, 0)))
+    assert len(heard[-1]) == 1920 and ended == []
+
+
+def test_a_failure_while_decoding_ends_the_call_alone_and_never_reaches_aiortc(monkeypatch: Any) -> None:
+    from s2s_rt.server import webrtc_audio
+
+    def broken(codec: Any) -> Any:
+        raise RuntimeError("a decoder that cannot be made")
+
+    monkeypatch.setattr(webrtc_audio, "decoder", broken)
+    ended: list[str] = []
+    hearing = Hearing(lambda pcm: None, ended.append, "rtc_test")
+    hearing.put((OPUS, JitterFrame(b"\x00", 0)))  # does not raise
+    assert ended == ["internal error while decoding its audio"]
+
+
+def test_a_silent_call_sends_no_media_and_its_answer_is_heard_after_the_gap() -> None:
+    async def scenario() -> None:
+        async with live_server() as server:
+            call = await CallClient.open(f"http://127.0.0.1:{server.port}/v1", "unused")
+            try:
+                await call.next_event("session.created", 10)
+                await asyncio.sleep(0.5)
+                quiet_from = time.perf_counter()
+                await asyncio.sleep(1.5)
+                sent_while_silent = [t for t, _ in call.heard if t >= quiet_from]
+                assert len(sent_while_silent) <= 1  # a packet already on its way at most, not 75
+                asked = time.perf_counter()
+                call.speak(tone(300, 0.8) + silence(1.0))
+                await call.next_event("output_audio_buffer.stopped", 15)
+                first = call.first_sound_after(asked)
+                assert first is not None
+                # Its answer is heard in full, as a stream of packets again.
+                assert len([t for t, _ in call.heard if t >= first]) >= 10
+            finally:
+                await call.close()
+
+    run(scenario())
