@@ -14,6 +14,7 @@ import json
 import os
 import threading
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -351,3 +352,61 @@ def test_an_append_that_is_not_utf8_closes_the_connection_as_any_such_frame_does
                 assert c.ws.close_code == 1007
 
     run(scenario(), timeout=30)
+
+
+def test_a_cost_measured_while_the_machine_was_busy_is_measured_again_and_the_least_counts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A server started while something else held the cores must not admit half as many for good."""
+    from s2s_rt.inference import StagePool
+    from s2s_rt.listening import admission
+    from s2s_rt.listening.clock import ListeningClock
+    from s2s_rt.metrics import Metrics
+
+    contended = {"on": True}
+    passes = [0]
+    real = admission.hear
+
+    def hear(vad: Any, batch: Any) -> Any:
+        passes[0] += 1
+        if contended["on"]:
+            time.sleep(40e-6 * len(batch))  # each session's share takes longer: the cores are busy elsewhere
+        return real(vad, batch)
+
+    monkeypatch.setattr(admission, "hear", hear)
+
+    async def scenario() -> None:
+        metrics = Metrics(dict, lambda: 0)
+        pool = StagePool("vad", 1, metrics)
+        clock = ListeningClock(EnergyVAD(), pool, metrics)
+        await clock.calibrate()
+        busy_start = clock.capacity()
+        contended["on"] = False
+        remeasuring = asyncio.create_task(clock.remeasure(every_s=0.05))
+        try:
+            assert await eventually(lambda: _true(clock.capacity() > 2 * busy_start), 10.0), (
+                clock.capacity(),
+                busy_start,
+            )
+            quiet = clock.capacity()
+            # A busy moment again: its measurement does not lower what a quiet machine was measured to take.
+            contended["on"] = True
+            measured = passes[0]
+            assert await eventually(lambda: _true(passes[0] > measured + 100), 10.0)  # two measurements, or more
+            assert clock.capacity() >= 0.8 * quiet
+            # While the clock is busy with sessions, it is not measured again: the ticks measure.
+            for i in range(200):
+                clock.cost.add(clock.tick_s, 1.0, time.monotonic())
+            await asyncio.sleep(0.3)  # a measurement begun before ends
+            measured = passes[0]
+            await asyncio.sleep(0.3)
+            assert passes[0] == measured
+        finally:
+            remeasuring.cancel()
+            pool.executor.shutdown(wait=False)
+
+    run(scenario(), timeout=60)
+
+
+async def _true(value: bool) -> bool:
+    return value

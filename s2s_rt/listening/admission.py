@@ -65,6 +65,17 @@ class ListeningCost:
             self._heard *= keep
         self._at = now
 
+    def rebase(self, prior: float, overhead_s: float) -> None:
+        """A new measurement of the fixed part and of the cost to return to (:meth:`ListeningClock.remeasure`);
+        what ticks have measured is kept."""
+        self.prior = prior
+        self.overhead_s = overhead_s
+
+    def busy_fraction(self, now: float) -> float:
+        """About what fraction of the time the clock has lately spent hearing (the fixed part left out)."""
+        self._decay(now)
+        return self._busy / self.window_s
+
     def value_at(self, now: float) -> float:
         """Busy seconds per second of one session's audio, as measured up to ``now``."""
         self._decay(now)

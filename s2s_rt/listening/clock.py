@@ -19,6 +19,7 @@ the server stops admitting sessions (:attr:`ListeningClock.overloaded`).
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import math
 import time
@@ -33,6 +34,11 @@ from s2s_rt.metrics import Metrics
 from s2s_rt.scope import Scope
 
 log = logging.getLogger(__name__)
+
+#: How often the cost of hearing is measured again while the clock is not busy (:meth:`ListeningClock.remeasure`),
+#: and how many measurements the least is taken of (the one at start among them, until it is pushed out).
+REMEASURE_S = 60.0
+REMEASURED = 5
 
 
 class Listening(Protocol):
@@ -105,6 +111,8 @@ class ListeningClock:
         self.max_load = max_load
         #: Busy seconds per second of a session's audio (measured; :meth:`calibrate` gives the first).
         self.cost = ListeningCost(prior=0.0)
+        #: The latest measurements of :meth:`calibrate` and :meth:`remeasure`.
+        self._measured: collections.deque[ListeningCost] = collections.deque(maxlen=REMEASURED)
         self._last_tick = -math.inf
         #: When work became ready for the next tick.
         self._woken_at: float | None = None
@@ -139,7 +147,41 @@ class ListeningClock:
         cost = await calibrate(self.vad, self.pool, self.tick_s, sessions, windows)
         cost.window_s = self.cost.window_s
         self.cost = cost
+        self._measured.append(cost)
         return cost
+
+    async def remeasure(self, every_s: float = REMEASURE_S) -> None:
+        """Measure again what hearing costs, every ``every_s`` while the clock is less than half as busy as it may
+        be, for as long as the server runs (a supervised task).
+
+        What ticks measure replaces the calibrated cost while many sessions
+        stream; what it returns to when few do, and the fixed part per tick,
+        come from :meth:`calibrate`. Measured once, at start, a moment's
+        contention there (a server started while the machine was busy) would
+        halve what the server admits for good. So it is measured again, and
+        the least of the last :data:`REMEASURED` measurements counts: what
+        hearing costs on this machine when nothing else holds it up, as a
+        slow moment of one measurement cannot raise it and a lasting change
+        is seen within a few minutes.
+        """
+        while True:
+            await asyncio.sleep(every_s)
+            if self.cost.busy_fraction(time.monotonic()) > self.max_load / 2:
+                continue  # measuring would take time from the sessions; the ticks measure meanwhile
+            before = self.capacity()
+            self._measured.append(await calibrate(self.vad, self.pool, self.tick_s))
+            self.cost.rebase(min(c.prior for c in self._measured), min(c.overhead_s for c in self._measured))
+            after = self.capacity()
+            ratio = after / before if 0 < before < math.inf else math.inf
+            if not 0.8 <= ratio <= 1.25:
+                log.info(
+                    "hearing measured again: %.0f µs per tick and %.2f ms per second of audio at least;"
+                    " about %.0f listening sessions now, %.0f before",
+                    self.cost.overhead_s * 1e6,
+                    self.cost.prior * 1000,
+                    after,
+                    before,
+                )
 
     def wake(self, listener: Listening) -> None:
         """``listener`` has something in its session's inbox."""

@@ -203,7 +203,8 @@ class Server:
             cost = await clock.calibrate()
             log.info(
                 "hearing costs %.0f µs per tick and %.2f ms per second of a session's audio (measured at start;"
-                " remeasured as sessions stream): about %.0f listening sessions under a load of %g",
+                " remeasured as sessions stream, and each minute while listening is not busy):"
+                " about %.0f listening sessions under a load of %g",
                 cost.overhead_s * 1e6,
                 cost.prior * 1000,
                 min(clock.capacity(), cfg.pool_size),
@@ -218,6 +219,9 @@ class Server:
                 ]
                 tasks.append(
                     tg.create_task(supervise("listening clock", clock.run, self.metrics), name="listening-clock")
+                )
+                tasks.append(
+                    tg.create_task(supervise("listening cost", clock.remeasure, self.metrics), name="listening-cost")
                 )
                 tasks.append(tg.create_task(supervise("loop-lag", self._watch_loop_lag, self.metrics), name="loop-lag"))
                 handle = connections.handle
