@@ -395,7 +395,7 @@ def test_a_cost_measured_while_the_machine_was_busy_is_measured_again_and_the_le
             assert await eventually(lambda: _true(passes[0] > measured + 100), 10.0)  # two measurements, or more
             assert clock.capacity() >= 0.8 * quiet
             # While the clock is busy with sessions, it is not measured again: the ticks measure.
-            for i in range(200):
+            for _ in range(200):
                 clock.cost.add(clock.tick_s, 1.0, time.monotonic())
             await asyncio.sleep(0.3)  # a measurement begun before ends
             measured = passes[0]

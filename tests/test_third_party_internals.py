@@ -208,7 +208,7 @@ def test_an_aiortc_without_the_jitter_buffer_is_said_loudly(
         """A receiver that keeps its buffer elsewhere."""
 
     monkeypatch.setattr(RTCRtpReceiver, "_handle_rtp_packet", handle_rtp_packet)
-    internals._buffer_kept.cache_clear()
+    internals._said_once.cache_clear()
 
     async def scenario() -> None:
         pc = RTCPeerConnection()
@@ -222,7 +222,7 @@ def test_an_aiortc_without_the_jitter_buffer_is_said_loudly(
             await pc.close()
 
     run(scenario())
-    internals._buffer_kept.cache_clear()
+    internals._said_once.cache_clear()
     [record] = [r for r in caplog.records if "jitter buffer" in r.getMessage()]  # said once
     assert record.getMessage().startswith(f"aiortc {internals.version('aiortc')}: RTCRtpReceiver._handle_rtp_packet")
 
@@ -273,7 +273,7 @@ def test_a_calls_audio_is_decoded_on_the_loop_and_aiortcs_thread_ends_with_the_c
 def test_a_receiver_already_started_keeps_its_queue_and_an_aiortc_without_one_is_said_loudly(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    internals._decoder_kept.cache_clear()
+    internals._said_once.cache_clear()
 
     async def scenario() -> None:
         pc = RTCPeerConnection()
@@ -293,7 +293,7 @@ def test_a_receiver_already_started_keeps_its_queue_and_an_aiortc_without_one_is
             await pc.close()
 
     run(scenario())
-    internals._decoder_kept.cache_clear()
+    internals._said_once.cache_clear()
     said = [r.getMessage() for r in caplog.records if "decoded on aiortc's thread" in r.getMessage()]
     assert len(said) == 2  # each reason once
     assert said[0].startswith(f"aiortc {internals.version('aiortc')}: the receiver's {internals.DECODER_THREAD}")

@@ -190,15 +190,21 @@ def jitter_buffer_missing(receiver: Any) -> str | None:
 
 def jitter_buffer_replaceable(receiver: Any) -> bool:
     """Whether ``receiver``'s jitter buffer can be replaced; when not, an error in the log says why, once."""
-    missing = jitter_buffer_missing(receiver)
+    return _aiortc_allows(
+        jitter_buffer_missing(receiver), "calls keep its 4-packet jitter buffer (each turn's end heard ~60 ms later)"
+    )
+
+
+def _aiortc_allows(missing: str | None, otherwise: str) -> bool:
+    """True where nothing is ``missing``; else an error in the log (once per reason) says what happens instead."""
     if missing:
-        _buffer_kept(missing)
+        _said_once(missing, otherwise)
     return missing is None
 
 
 @functools.cache
-def _buffer_kept(why: str) -> None:
-    log.error("%s; calls keep its 4-packet jitter buffer (each turn's end heard ~60 ms later)", gone("aiortc", why))
+def _said_once(why: str, otherwise: str) -> None:
+    log.error("%s; %s", gone("aiortc", why), otherwise)
 
 
 def binds_missing() -> str | None:
@@ -310,12 +316,6 @@ def decoder_queue_missing(receiver: Any) -> str | None:
 
 def decoder_queue_replaceable(receiver: Any) -> bool:
     """Whether ``receiver``'s decoder queue can be replaced; when not, an error in the log says why, once."""
-    missing = decoder_queue_missing(receiver)
-    if missing:
-        _decoder_kept(missing)
-    return missing is None
-
-
-@functools.cache
-def _decoder_kept(why: str) -> None:
-    log.error("%s; calls' audio is decoded on aiortc's thread (more CPU per call)", gone("aiortc", why))
+    return _aiortc_allows(
+        decoder_queue_missing(receiver), "calls' audio is decoded on aiortc's thread (more CPU per call)"
+    )
