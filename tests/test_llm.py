@@ -525,6 +525,51 @@ def test_an_answer_whose_words_are_held_back_goes_first_only_for_its_first_token
     assert firsts["other"] < ends["held"] and ends["other"] < ends["held"], (firsts, ends)
 
 
+def test_an_answer_that_gave_way_is_not_held_for_good_by_answers_asked_for_one_after_another(
+    tiny_llm: CT2ChatLLM,
+) -> None:
+    """Many sessions talking: other answers keep waiting for their first words, each asked for before the last
+    has spoken. An answer being heard gives way to those waiting when it did, then gets a share of its own."""
+    from s2s_rt.engines.llm_turns import URGENT_TOKENS, AnswerTurn
+
+    turns = tiny_llm.turns
+    story = [ChatMessage("user", "Write a long story about a cat, at least 300 words.")]
+    usage = LLMUsage()
+    answer = tiny_llm.stream(
+        LLMRequest.of(story, max_tokens=3 * URGENT_TOKENS, temperature=0.0), should_stop=_never, usage=usage
+    )
+    next(answer)  # it holds the model, being heard (never urgent)
+    stop, done = threading.Event(), threading.Event()
+    resumed = turns.resumed
+
+    def one_after_another() -> None:
+        waiting = AnswerTurn(turns, str, [], urgent=lambda: True, pause=None, should_stop=_never)
+        while not stop.is_set():
+            time.sleep(0.05)
+            after = AnswerTurn(turns, str, [], urgent=lambda: True, pause=None, should_stop=_never)
+            waiting.close()
+            waiting = after
+        waiting.close()
+
+    def rest() -> None:
+        for _ in answer:
+            pass
+        done.set()
+
+    relay = threading.Thread(target=one_after_another)
+    relay.start()
+    threading.Thread(target=rest, daemon=True).start()
+    try:
+        assert done.wait(30), f"stuck after {usage.output_tokens} tokens, urgent {turns.urgent}"
+    finally:
+        stop.set()
+        relay.join()
+    assert usage.output_tokens > URGENT_TOKENS
+    # It did give way, and each time it resumed it said a share before giving way again (one token a time
+    # would read its prompt again for each).
+    assert 0 < turns.resumed - resumed <= usage.output_tokens // URGENT_TOKENS + 1
+
+
 # --- long readings beside other answers ----------------------------------------------------------
 
 #: About 630 tokens: a reading of the long lane (``LONG_READING_TOKENS``), several times longer to read than

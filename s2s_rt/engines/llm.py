@@ -328,13 +328,15 @@ class CT2ChatLLM:
                     finally:
                         # Closing tells CTranslate2 to stop at its next token and waits for it.
                         steps.close()
+                        gave_way_to = turns.entered
                 if ended or len(said) >= max_tokens or should_stop():
                     break
-                # Stopped short of its end: it gave way to an answer that has not spoken yet. Resume once none is.
-                turns.wait_clear(should_stop)
+                # Stopped short of its end: it gave way to answers that have not spoken yet. Resume once those
+                # have (not those asked for since), for a share of its own.
+                turns.wait_clear(should_stop, entered_by=gave_way_to)
                 if should_stop():
                     return
-                turns.resumed += 1
+                place.resumed()
         finally:
             place.close()
         rest = framing.finish() if framing is not None else ""

@@ -29,27 +29,39 @@ class Turns:
     (:class:`~s2s_rt.engines.llm_lanes.Lanes`; each lane has its own
     turn-taking): an answer asked for while another streams would wait for
     all of it. An answer already being heard gives way instead, between two
-    tokens, and resumes when no answer is waiting for its first words.
+    tokens, and resumes once the answers that were waiting for their first
+    words when it gave way have spoken: those asked for later do not hold it
+    too, or answers asked for one after another (many sessions talking)
+    would hold it for good. Resumed, it gives way again only after
+    :data:`URGENT_TOKENS` more tokens.
     """
 
     def __init__(self) -> None:
         self._changed = threading.Condition()
         #: Answers that have not spoken yet.
         self.urgent = 0
+        #: How many answers have ever been urgent: each is numbered in the order it became so.
+        self.entered = 0
+        self._waiting: set[int] = set()
         #: Times an answer resumed after giving way.
         self.resumed = 0
         #: Times an answer paused while its first words were made into speech, and of them, those that ran out.
         self.held = 0
         self.held_out = 0
 
-    def enter(self) -> None:
+    def enter(self) -> int:
+        """An answer waits for its first words; returns its number (for :meth:`leave`)."""
         with self._changed:
             self.urgent += 1
+            self.entered += 1
+            self._waiting.add(self.entered)
             self._changed.notify_all()
+            return self.entered
 
-    def leave(self) -> None:
+    def leave(self, number: int) -> None:
         with self._changed:
             self.urgent -= 1
+            self._waiting.discard(number)
             self._changed.notify_all()
 
     def hold(self, holding: Callable[[], bool], should_stop: StopCheck, *, own: Callable[[], int]) -> None:
@@ -71,10 +83,10 @@ class Turns:
                 # Woken when another answer becomes urgent; the speech's end is seen within 2 ms.
                 self._changed.wait(min(left, 0.002))
 
-    def wait_clear(self, should_stop: StopCheck) -> None:
-        """Block until no answer is urgent (or ``should_stop``)."""
+    def wait_clear(self, should_stop: StopCheck, *, entered_by: int | None = None) -> None:
+        """Block until none of the answers numbered up to ``entered_by`` (None: any) is urgent, or ``should_stop``."""
         with self._changed:
-            while self.urgent and not should_stop():
+            while not should_stop() and any(entered_by is None or n <= entered_by for n in self._waiting):
                 self._changed.wait(0.05)
 
 
@@ -112,8 +124,10 @@ class AnswerTurn:
         self._should_stop = should_stop
         #: True while the answer is counted in ``turns.urgent``.
         self.waiting = urgent is not None and urgent()
-        if self.waiting:
-            turns.enter()
+        self._number = turns.enter() if self.waiting else 0
+        #: Tokens said so far (the reader's count), and how many it says before it may give way again.
+        self._said = 0
+        self._gives_way_from = 0
 
     def after_token(self, step: Any, closed: threading.Event) -> bool:
         """Run in CTranslate2's worker after each token, the token already handed over: True stops the decoding
@@ -129,10 +143,17 @@ class AnswerTurn:
                     own=lambda: 1 if self.waiting else 0,
                 )
                 self._pause = None  # once: the first clause only
-        return self._should_stop() or (not self.waiting and self._turns.urgent > 0)
+        gives_way = not self.waiting and self._said >= self._gives_way_from and self._turns.urgent > 0
+        return self._should_stop() or gives_way
+
+    def resumed(self) -> None:
+        """It resumes after giving way: its next :data:`URGENT_TOKENS` tokens are its own, whoever waits."""
+        self._gives_way_from = self._said + URGENT_TOKENS
+        self._turns.resumed += 1
 
     def took(self, said: int) -> None:
         """The reader has ``said`` tokens of the answer so far."""
+        self._said = said
         if self.waiting and (said >= URGENT_TOKENS or (self._urgent is not None and not self._urgent())):
             # It has spoken, or had its share: from now on it gives way to answers that have not. (An answer
             # whose words are held back, a tool call, would otherwise stay urgent for its whole length and
@@ -143,7 +164,7 @@ class AnswerTurn:
         """The answer has spoken, had its share, or ended: it no longer goes before others."""
         if self.waiting:
             self.waiting = False
-            self._turns.leave()
+            self._turns.leave(self._number)
 
 
 def token_steps(
