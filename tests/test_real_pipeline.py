@@ -129,18 +129,19 @@ def check_answer_audio(server: Server, question: str, answer: str, audio: bytes)
 
 
 def record_what_is_played(server: Server, call_id: str | None) -> list[np.ndarray]:
-    """The frames the server's track for ``call_id`` plays from now (int16, one channel), as the encoder got them."""
+    """The frames the server's track for ``call_id`` plays from now (int16 at 24 kHz), as its encoder gets them
+    (the track sends nothing while it has nothing to play: neither is anything recorded then)."""
     assert server.calls is not None and call_id is not None
     media = server.calls.calls[call_id].playback
     played: list[np.ndarray] = []
-    recv = media.recv
+    next_frame = media.next_frame
 
-    async def recording() -> Any:
-        frame = await recv()
-        played.append(frame.to_ndarray().reshape(-1, len(frame.layout.channels))[:, 0].copy())
+    def recording() -> Any:
+        frame = next_frame()
+        played.append(frame.copy())
         return frame
 
-    media.recv = recording  # type: ignore[method-assign]
+    media.next_frame = recording  # type: ignore[method-assign]
     return played
 
 
