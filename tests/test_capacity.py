@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import logging
 import os
 import threading
 import time
@@ -410,3 +411,47 @@ def test_a_cost_measured_while_the_machine_was_busy_is_measured_again_and_the_le
 
 async def _true(value: bool) -> bool:
     return value
+
+
+def test_a_measurement_that_fails_keeps_what_was_measured_and_the_next_one_is_taken(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from s2s_rt.inference import StagePool
+    from s2s_rt.listening import admission
+    from s2s_rt.listening.clock import ListeningClock
+    from s2s_rt.metrics import Metrics
+
+    failing = {"on": False}
+    real = admission.hear
+
+    def hear(vad: Any, batch: Any) -> Any:
+        if failing["on"]:
+            raise RuntimeError("the VAD failed")
+        return real(vad, batch)
+
+    monkeypatch.setattr(admission, "hear", hear)
+
+    async def scenario() -> None:
+        metrics = Metrics(dict, lambda: 0)
+        pool = StagePool("vad", 1, metrics)
+        clock = ListeningClock(EnergyVAD(), pool, metrics)
+        await clock.calibrate()
+        measured = clock.capacity()
+        failing["on"] = True
+        remeasuring = asyncio.create_task(clock.remeasure(every_s=0.05))
+        try:
+            with caplog.at_level(logging.WARNING, "s2s_rt.listening.clock"):
+                assert await eventually(lambda: _true(len(caplog.records) >= 3), 10.0)
+            assert not remeasuring.done()  # it goes on, each minute
+            assert clock.capacity() == pytest.approx(measured)
+            failing["on"] = False
+            count = len(clock._measured)
+            assert await eventually(
+                lambda: _true(len(clock._measured) > count or count == clock._measured.maxlen), 10.0
+            )
+        finally:
+            remeasuring.cancel()
+            pool.executor.shutdown(wait=False)
+
+    run(scenario(), timeout=60)
+    assert "hearing could not be measured again (RuntimeError('the VAD failed'))" in caplog.records[0].getMessage()

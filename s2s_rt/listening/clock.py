@@ -169,7 +169,13 @@ class ListeningClock:
             if self.cost.busy_fraction(time.monotonic()) > self.max_load / 2:
                 continue  # measuring would take time from the sessions; the ticks measure meanwhile
             before = self.capacity()
-            self._measured.append(await calibrate(self.vad, self.pool, self.tick_s))
+            try:
+                self._measured.append(await calibrate(self.vad, self.pool, self.tick_s))
+            except Exception as exc:
+                # Not a failure of the server: the measurements it has stand (a failing VAD is the sessions'
+                # to report), and the next minute measures again.
+                log.warning("hearing could not be measured again (%r); keeping what was measured", exc)
+                continue
             self.cost.rebase(min(c.prior for c in self._measured), min(c.overhead_s for c in self._measured))
             after = self.capacity()
             ratio = after / before if 0 < before < math.inf else math.inf
