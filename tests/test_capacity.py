@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import logging
 import os
 import threading
 import time
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import numpy as np
@@ -355,36 +357,58 @@ def test_an_append_that_is_not_utf8_closes_the_connection_as_any_such_frame_does
     run(scenario(), timeout=30)
 
 
-def test_a_cost_measured_while_the_machine_was_busy_is_measured_again_and_the_least_counts(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A server started while something else held the cores must not admit half as many for good."""
-    from s2s_rt.inference import StagePool
+def _hearing_measured(monkeypatch: pytest.MonkeyPatch, before: Callable[[list[Any]], None]) -> None:
+    """Each pass of hearing that admission measures calls ``before(batch)`` first (to slow it, count it, fail it)."""
     from s2s_rt.listening import admission
-    from s2s_rt.listening.clock import ListeningClock
-    from s2s_rt.metrics import Metrics
 
-    contended = {"on": True}
-    passes = [0]
     real = admission.hear
 
     def hear(vad: Any, batch: Any) -> Any:
-        passes[0] += 1
-        if contended["on"]:
-            time.sleep(40e-6 * len(batch))  # each session's share takes longer: the cores are busy elsewhere
+        before(batch)
         return real(vad, batch)
 
     monkeypatch.setattr(admission, "hear", hear)
 
-    async def scenario() -> None:
-        metrics = Metrics(dict, lambda: 0)
-        pool = StagePool("vad", 1, metrics)
-        clock = ListeningClock(EnergyVAD(), pool, metrics)
+
+@contextlib.asynccontextmanager
+async def _measured_clock() -> AsyncIterator[tuple[Any, asyncio.Task[None]]]:
+    """A listening clock on the fake VAD, measured as at a server's start, then measuring again every 50 ms."""
+    from s2s_rt.inference import StagePool
+    from s2s_rt.listening.clock import ListeningClock
+    from s2s_rt.metrics import Metrics
+
+    metrics = Metrics(dict, lambda: 0)
+    pool = StagePool("vad", 1, metrics)
+    clock = ListeningClock(EnergyVAD(), pool, metrics)
+    remeasuring: asyncio.Task[None] | None = None
+    try:
         await clock.calibrate()
-        busy_start = clock.capacity()
-        contended["on"] = False
         remeasuring = asyncio.create_task(clock.remeasure(every_s=0.05))
-        try:
+        yield clock, remeasuring
+    finally:
+        if remeasuring is not None:
+            remeasuring.cancel()
+        pool.executor.shutdown(wait=False)
+
+
+def test_a_cost_measured_while_the_machine_was_busy_is_measured_again_and_the_least_counts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A server started while something else held the cores must not admit half as many for good."""
+    contended = {"on": True}
+    passes = [0]
+
+    def slowed(batch: list[Any]) -> None:
+        passes[0] += 1
+        if contended["on"]:
+            time.sleep(40e-6 * len(batch))  # each session's share takes longer: the cores are busy elsewhere
+
+    _hearing_measured(monkeypatch, slowed)
+
+    async def scenario() -> None:
+        async with _measured_clock() as (clock, _):
+            busy_start = clock.capacity()  # measured at start, while contended
+            contended["on"] = False
             assert await eventually(lambda: _true(clock.capacity() > 2 * busy_start), 10.0), (
                 clock.capacity(),
                 busy_start,
@@ -402,9 +426,6 @@ def test_a_cost_measured_while_the_machine_was_busy_is_measured_again_and_the_le
             measured = passes[0]
             await asyncio.sleep(0.3)
             assert passes[0] == measured
-        finally:
-            remeasuring.cancel()
-            pool.executor.shutdown(wait=False)
 
     run(scenario(), timeout=60)
 
@@ -416,30 +437,18 @@ async def _true(value: bool) -> bool:
 def test_a_measurement_that_fails_keeps_what_was_measured_and_the_next_one_is_taken(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from s2s_rt.inference import StagePool
-    from s2s_rt.listening import admission
-    from s2s_rt.listening.clock import ListeningClock
-    from s2s_rt.metrics import Metrics
-
     failing = {"on": False}
-    real = admission.hear
 
-    def hear(vad: Any, batch: Any) -> Any:
+    def failed(batch: list[Any]) -> None:
         if failing["on"]:
             raise RuntimeError("the VAD failed")
-        return real(vad, batch)
 
-    monkeypatch.setattr(admission, "hear", hear)
+    _hearing_measured(monkeypatch, failed)
 
     async def scenario() -> None:
-        metrics = Metrics(dict, lambda: 0)
-        pool = StagePool("vad", 1, metrics)
-        clock = ListeningClock(EnergyVAD(), pool, metrics)
-        await clock.calibrate()
-        measured = clock.capacity()
-        failing["on"] = True
-        remeasuring = asyncio.create_task(clock.remeasure(every_s=0.05))
-        try:
+        async with _measured_clock() as (clock, remeasuring):
+            measured = clock.capacity()
+            failing["on"] = True
             with caplog.at_level(logging.WARNING, "s2s_rt.listening.clock"):
                 assert await eventually(lambda: _true(len(caplog.records) >= 3), 10.0)
             assert not remeasuring.done()  # it goes on, each minute
@@ -449,9 +458,6 @@ def test_a_measurement_that_fails_keeps_what_was_measured_and_the_next_one_is_ta
             assert await eventually(
                 lambda: _true(len(clock._measured) > count or count == clock._measured.maxlen), 10.0
             )
-        finally:
-            remeasuring.cancel()
-            pool.executor.shutdown(wait=False)
 
     run(scenario(), timeout=60)
     assert "hearing could not be measured again (RuntimeError('the VAD failed'))" in caplog.records[0].getMessage()
