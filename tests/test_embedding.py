@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import signal
 import subprocess
 import sys
 import time
 import urllib.request
+import weakref
 from pathlib import Path
 
 import pytest
@@ -31,6 +33,25 @@ def test_async_with_server_on_port_zero_serves_and_closes() -> None:
             urllib.request.urlopen(f"http://127.0.0.1:{server.port}/healthz", timeout=1)
 
     run(scenario())
+
+
+def test_a_closed_server_and_the_engines_it_loaded_are_freed() -> None:
+    """An application (or a test run) that starts server after server must not keep each one's models: start-up
+    puts what it loaded out of the collector's reach, and closing must put it back (on the default stack each
+    kept server held its LLM, 0.5-2 GB)."""
+    closed: list[weakref.ref[object]] = []
+
+    async def one() -> None:
+        async with Server(Config(port=0, stack="fake", pool_size=1)) as server:
+            async with RealtimeClient.connect(server) as c:
+                assert (await c.say_text("kept?"))["response"]["status"] == "completed"
+            assert server.stack is not None
+            closed.extend((weakref.ref(server), weakref.ref(server.stack.llm)))
+
+    for _ in range(2):
+        run(one())
+    gc.collect()
+    assert [ref() for ref in closed] == [None] * 4
 
 
 def test_close_lets_a_running_answer_go_on_for_the_grace_period_then_sends_1001() -> None:

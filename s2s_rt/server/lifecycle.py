@@ -76,6 +76,8 @@ class Server:
         self._started = asyncio.Event()
         self._stop = asyncio.Event()
         self._deadline: threading.Timer | None = None
+        #: Start-up moved every object then alive out of the collector's reach (this server's among them).
+        self._froze = False
 
     # --- lifecycle ---------------------------------------------------------
 
@@ -100,6 +102,7 @@ class Server:
             # walked all of it and stalled every session's audio for 15-35 ms at a time.
             gc.collect()
             gc.freeze()
+            self._froze = True
         for line in self.stack.description:
             log.info("%s", line)
         self._runner = asyncio.create_task(self._main(), name="s2s-rt-server")
@@ -144,6 +147,11 @@ class Server:
         self._stop.set()
         if self._runner is not None:
             await self._runner
+        if self._froze:
+            # Frozen, this server and its engines would outlive it: a process that starts another (a test,
+            # an application embedding servers) would hold every stack it ever loaded (2 GB each in float32).
+            self._froze = False
+            gc.unfreeze()
 
     async def _main(self) -> None:
         cfg = self.config
