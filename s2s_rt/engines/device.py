@@ -123,19 +123,52 @@ def ct2_compute_type(kind: str, *, index: int = 0, quantized: bool = False) -> s
     Args:
         kind: ``cpu`` or ``cuda``.
         index: the CUDA device, whose capabilities decide the fallbacks.
-        quantized: on CUDA, prefer ``int8_float16`` to ``float16``.
+        quantized: the LLM's weights: on CUDA, prefer ``int8_float16`` to ``float16``; on a CPU that
+            multiplies int8 slowly (:func:`multiplies_int8_fast`), ``float32``.
 
     Returns:
         The first of the preferred types that the device supports.
     """
     if kind == "cpu":
         preferred = ["int8", "int8_float32", "float32"]
+        if quantized and not multiplies_int8_fast():
+            preferred = ["float32", *preferred]
     elif quantized:
         preferred = ["int8_float16", "int8_bfloat16", "int8_float32", "float16", "float32"]
     else:
         preferred = ["float16", "bfloat16", "float32"]
     supported = ctranslate2.get_supported_compute_types(kind, index)
     return next((t for t in preferred if t in supported), "default")
+
+
+#: x86 flags of an int8 dot-product instruction (AVX-512 VNNI, AVX-VNNI, AMX).
+INT8_DOT_PRODUCT_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
+
+
+@functools.cache
+def multiplies_int8_fast(cpuinfo: str | None = None) -> bool:
+    """Whether CTranslate2's int8 matrix products pay on this CPU: not on an x86 CPU without VNNI or AMX.
+
+    There (AVX2 only, as on many AMD EPYC cloud cores) oneDNN's int8 kernels read a prompt at half the speed of
+    float32 (the default model: 23 ms a token against 12, 2-core AMD EPYC) and read it differently in pieces,
+    so no model state can be kept between answers (:mod:`.kept_state`). In float32 the LLM reads only the new
+    turn, for about four times the weights' memory (BENCHMARKS.md, "The LLM in float32 where int8 is slow").
+    Other CPUs (ARM's own kernels) keep int8.
+
+    Args:
+        cpuinfo: ``/proc/cpuinfo``'s text (read when None).
+    """
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as file:
+                cpuinfo = file.read()
+        except OSError:
+            return True
+    for line in cpuinfo.splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() == "flags":
+            return bool(INT8_DOT_PRODUCT_FLAGS & set(value.split()))
+    return True
 
 
 def session_options(intra_threads: int) -> onnxruntime.SessionOptions:

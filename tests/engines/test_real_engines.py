@@ -15,9 +15,10 @@ import pytest
 from conftest import word_error_rate
 
 from s2s_rt.audio import resample
+from s2s_rt.engines import device
 from s2s_rt.engines.base import PIPELINE_RATE, Float32Array
 from s2s_rt.engines.default import load_default_stack
-from s2s_rt.engines.device import CPU_PROVIDER, resolve_device
+from s2s_rt.engines.device import CPU_PROVIDER, ct2_compute_type, multiplies_int8_fast, resolve_device
 from s2s_rt.engines.mel import LogMelSpectrogram
 from s2s_rt.engines.phonemes import espeak_phonemizer
 from s2s_rt.engines.piper import PiperTTS
@@ -226,6 +227,22 @@ def test_cpu_device_uses_the_cpu_provider() -> None:
     assert choice.ct2_compute_type() == "int8"
 
 
+AMD_EPYC_AVX2 = "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse sse2 avx avx2 fma bmi2\n"
+XEON_VNNI = "processor\t: 0\nvendor_id\t: GenuineIntel\nflags\t\t: fpu avx avx2 avx512f avx512bw avx512_vnni\n"
+ARM = "processor\t: 0\nFeatures\t: fp asimd asimddp i8mm\nCPU implementer\t: 0x41\n"
+
+
+def test_the_llm_runs_in_float32_where_int8_is_slow_and_whisper_stays_int8(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert not multiplies_int8_fast(AMD_EPYC_AVX2)
+    assert multiplies_int8_fast(XEON_VNNI)
+    assert multiplies_int8_fast(ARM)
+    for fast, llm in ((False, "float32"), (True, "int8")):
+        monkeypatch.setattr(device, "multiplies_int8_fast", lambda fast=fast: fast)
+        assert ct2_compute_type("cpu", quantized=True) == llm
+        assert ct2_compute_type("cpu") == "int8"
+        assert resolve_device("cpu").ct2_compute_type(quantized=True) == llm
+
+
 def test_auto_device_always_ends_with_the_cpu_provider() -> None:
     assert resolve_device("auto").onnx_providers[-1] == CPU_PROVIDER
 
@@ -252,3 +269,7 @@ def test_default_stack_loads_every_engine_and_describes_them(prepared: PreparedM
     for path in (prepared.vad, prepared.whisper, prepared.llm, *prepared.voices.values()):
         assert str(path) in text
     assert CPU_PROVIDER in text
+    # Where int8 is slow (and read differently in pieces), the LLM runs in float32 and keeps its state.
+    llm = next(line for line in stack.description if line.startswith("LLM"))
+    assert ("CTranslate2 float32" in llm) == (not multiplies_int8_fast()), llm
+    assert ("kept model state checked" in llm) or multiplies_int8_fast(), llm
