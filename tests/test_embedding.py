@@ -6,6 +6,7 @@ import asyncio
 import gc
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -48,10 +49,25 @@ def test_a_closed_server_and_the_engines_it_loaded_are_freed() -> None:
             assert server.stack is not None
             closed.extend((weakref.ref(server), weakref.ref(server.stack.llm)))
 
+    async def refused() -> None:
+        # One that cannot listen (its port taken) fails to start, and is let go of too.
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            server = Server(Config(port=taken.getsockname()[1], stack="fake", pool_size=1))
+            failed = False
+            try:
+                await server.start()
+            except* OSError:
+                failed = True
+            assert failed
+            closed.append(weakref.ref(server))
+
     for _ in range(2):
         run(one())
+    run(refused())
     gc.collect()
-    assert [ref() for ref in closed] == [None] * 4
+    assert [ref() for ref in closed] == [None] * 5
 
 
 def test_close_lets_a_running_answer_go_on_for_the_grace_period_then_sends_1001() -> None:

@@ -147,11 +147,6 @@ class Server:
         self._stop.set()
         if self._runner is not None:
             await self._runner
-        if self._froze:
-            # Frozen, this server and its engines would outlive it: a process that starts another (a test,
-            # an application embedding servers) would hold every stack it ever loaded (2 GB each in float32).
-            self._froze = False
-            gc.unfreeze()
 
     async def _main(self) -> None:
         cfg = self.config
@@ -271,6 +266,11 @@ class Server:
         finally:
             for pool in self.pools.values():
                 pool.shutdown()
+            if self._froze:
+                # Frozen, this server and its engines would outlive it, closed or failed to start: a process
+                # that starts another (a test, an application embedding servers) would keep every stack.
+                self._froze = False
+                gc.unfreeze()
             log.info("s2s-rt stopped")
 
     async def _drain_for_shutdown(self) -> None:
