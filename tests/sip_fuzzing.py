@@ -469,10 +469,11 @@ async def _call(run: SurfaceRun, rng: random.Random, caller: Caller, sip_port: i
         again, what = build_invite(run, rng, caller, sip_port, "UDP", mutate=rng.random() < 0.5)
         again = again.replace("CSeq: 1 INVITE", "CSeq: 2 INVITE")
         for to in _header(ok, "to")[:1]:
-            again = re.sub(r"(?m)^To: .*$", f"To: {to}", again)
+            again = re.sub(r"(?m)^To: .*$", lambda _, to=to: f"To: {to}", again)  # a literal: values may hold "\\"
         for call_id in _header(text, "call-id")[:1]:
-            again = re.sub(r"(?m)^Call-ID: .*$", f"Call-ID: {call_id}", again)
-        again = re.sub(r"(?m)^From: .*$", "From: " + (_header(text, "from") or [""])[0], again)
+            again = re.sub(r"(?m)^Call-ID: .*$", lambda _, c=call_id: f"Call-ID: {c}", again)
+        sender = "From: " + (_header(text, "from") or [""])[0]
+        again = re.sub(r"(?m)^From: .*$", lambda _: sender, again)
         raw = again.encode("utf-8", "surrogatepass")[:65000]
         caller.record(f"reinvite: {what}", raw)
         with contextlib.suppress(OSError):

@@ -74,6 +74,13 @@ SURFACE_SETTLE_S = 15.0
 DESIGNED_503 = (b"session_limit_reached", b"draining", b"shutting down", b"not ready")
 
 
+#: The most a mutation adds to an offer by copying: four times the server's body limit (256 KiB).
+OFFER_GROWTH_CHARS = 1 << 20
+#: A tick of the fuzzer's own loop this late is a finding of the fuzzer's: its calm call answers the
+#: server's ICE consent checks on that loop (a 4.4 s stall at the least misses the 4 that end it).
+SELF_STALL_S = 2.0
+
+
 # --- where an offer may point ------------------------------------------------------------------
 
 
@@ -218,6 +225,9 @@ def _m_duplicate_sections(rng: random.Random, lines: list[str], here: Here) -> s
     start, end = rng.choice(sections)
     n = rng.choice([1, 2, 7, 8, 9, 50, 150])
     copy = lines[start:end]
+    # Past the body limit every size is refused alike; a section with thousands of candidates copied
+    # 150 times made 30 MB, which took the fuzzer's own loop 9 s to check (its calm call went unanswered).
+    n = max(1, min(n, OFFER_GROWTH_CHARS // max(1, sum(len(line) + 1 for line in copy))))
     lines[end:end] = copy * n
     return f"{lines[start].split()[0]} section copied {n}x"
 
@@ -1678,6 +1688,25 @@ async def _lag_watch(run: SurfaceRun, control: LoadControl, bound: float, quiet:
         before, last = after, now
 
 
+async def _self_watch(run: SurfaceRun) -> None:
+    """The fuzzer's own loop, every 0.1 s: a stall starves its calm clients, and what they then miss is
+    not the server's doing, so the stall itself is the finding (with the requests around it)."""
+    while True:
+        before = time.monotonic()
+        await asyncio.sleep(0.1)
+        late = time.monotonic() - before - 0.1
+        if late > SELF_STALL_S:
+            suspects = [s.line(run.origin) for s in run.recent(before, before + late + 0.5)[-8:]]
+            run.report.findings.append(
+                Finding(
+                    "fuzzer",
+                    f"its own loop stalled {late:.1f} s at {before - run.origin:.1f} s: its calm clients could"
+                    " not answer, and what they missed then is not the server's",
+                    suspects,
+                )
+            )
+
+
 async def _pool_settles(run: SurfaceRun, active: int, udp: list[int], timeout: float) -> tuple[bool, str]:
     """Wait until ``active`` slots are active and the rest idle, with the UDP ports ``udp`` held."""
     loop = asyncio.get_running_loop()
@@ -1748,6 +1777,7 @@ async def surface_fuzz(
     base_pcs: list[Any] = []
     run = SurfaceRun(server, report, time.monotonic() + 3600, here, folder, keys)
     sip.app.run = run
+    watch = asyncio.create_task(_self_watch(run), name="fuzzer-self-watch")
     try:
         await asyncio.to_thread(server.wait_listening)
         for shape in ("call", "audio", "video"):
@@ -1826,6 +1856,7 @@ async def surface_fuzz(
         report.findings.append(Finding("fuzzer", f"the run failed: {_last_frames(exc)}"))
     finally:
         run.deadline = run.hostile_deadline = time.monotonic()
+        watch.cancel()
         server.finish()
         control.stop()
         await sip.app.close()

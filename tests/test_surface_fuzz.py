@@ -37,6 +37,7 @@ import random
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from conftest import run
@@ -45,10 +46,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from surface_fuzzing import (
     SDP_MUTATIONS,
+    SELF_STALL_S,
     SURFACE_CONFIG,
     FuzzReport,
     Here,
     ServerProcess,
+    _self_watch,
     exchange_blocking,
     host_addresses,
     http_request,
@@ -107,6 +110,37 @@ def test_every_address_a_mutated_offer_names_is_on_this_machine(here: Here, offe
         rng = random.Random(seed)
         body, done = mutate_offer(rng, offer, here)
         assert not stray_addresses(body.decode("utf-8", "surrogateescape"), here), (seed, done)
+
+
+def test_no_chain_of_mutations_makes_an_offer_too_big_for_the_fuzzer_to_check(here: Here, offer: str) -> None:
+    """3,000 candidates, then their section copied 150 times, once made a 30 MB offer whose address check
+    stalled the fuzzer's loop for 9 s, and its calm call, unable to answer, was ended by the server."""
+    many = next(s for s in range(1000) if random.Random(s).choice([1, 3, 20, 64, 65, 600, 3000]) == 3000)
+    biggest = 0
+    for copy_seed in range(12):
+        steps = [("candidates", many), ("duplicate_sections", copy_seed), ("duplicate_sections", copy_seed + 1)]
+        body, done = mutate_offer(random.Random(copy_seed), offer, here, steps)
+        biggest = max(biggest, len(body))
+        assert len(body) <= 4 << 20, (len(body), done)  # 16 times the body limit
+    assert biggest > 1 << 20, "some chain still goes far past the server's body limit"
+
+
+def test_a_stall_of_the_fuzzers_own_loop_is_its_own_finding() -> None:
+    """Its calm call answers the server's consent checks on that loop: a stall is the fuzzer's fault."""
+
+    async def watched(stall: float) -> list[str]:
+        report = FuzzReport(0, 1.0, "none")
+        run = SimpleNamespace(report=report, origin=time.monotonic(), recent=lambda start, end: [])
+        watch = asyncio.create_task(_self_watch(run))  # type: ignore[arg-type]
+        await asyncio.sleep(0.3)
+        time.sleep(stall)  # what a 30 MB offer's address check did
+        await asyncio.sleep(0.3)
+        watch.cancel()
+        return [f"{f.who}: {f.what}" for f in report.findings]
+
+    assert asyncio.run(watched(0.3)) == []
+    (finding,) = asyncio.run(watched(SELF_STALL_S + 0.3))
+    assert finding.startswith(f"fuzzer: its own loop stalled {SELF_STALL_S + 0.3:.1f} s")
 
 
 def test_an_address_elsewhere_is_recognised_and_never_sent(here: Here) -> None:
