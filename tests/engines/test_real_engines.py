@@ -9,6 +9,7 @@ on every machine.
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,6 +24,7 @@ from s2s_rt.engines.mel import LogMelSpectrogram
 from s2s_rt.engines.phonemes import espeak_phonemizer
 from s2s_rt.engines.piper import PiperTTS
 from s2s_rt.engines.silero import SileroVAD
+from s2s_rt.engines.silero_forward import WEIGHTS, WeightsNotFound, read_weights
 from s2s_rt.engines.whisper import WhisperSTT
 from s2s_rt.models import ModelError, PreparedModels, ensure_prepared
 
@@ -165,6 +167,45 @@ def test_vad_batched_scores_equal_separate_scores(vad: SileroVAD, question_16k: 
         batched = vad.speech_probabilities(chunks, batched_states)
         separate = [vad.speech_probabilities(chunks[i : i + 1], [separate_states[i]])[0] for i in range(sessions)]
         np.testing.assert_allclose(batched, separate, atol=1e-5)
+
+
+def test_the_batched_numpy_vad_scores_as_onnx_runtime_does(
+    prepared: PreparedModels, question_16k: Float32Array
+) -> None:
+    """The default VAD on the CPU scores in numpy: 40 sessions, speech at other offsets and loudness over
+    noise, state carried through the whole question: the same probabilities and the same decisions."""
+    batched, reference = SileroVAD(prepared.vad), SileroVAD(prepared.vad, batched_forward=False)
+    assert batched.describe().endswith("batched in numpy") and "numpy" not in reference.describe()
+    sessions = 40
+    rng = np.random.default_rng(2)
+    streams = np.stack(
+        [
+            np.roll(question_16k, 1700 * i) * (0.1 + 0.05 * i)
+            + rng.standard_normal(len(question_16k)).astype(np.float32) * 0.002 * (i % 5)
+            for i in range(sessions)
+        ]
+    ).astype(np.float32)
+    ours, theirs = [batched.new_state() for _ in range(sessions)], [reference.new_state() for _ in range(sessions)]
+    decisions = 0
+    for k in range(len(question_16k) // batched.chunk_samples):
+        chunks = streams[:, k * batched.chunk_samples : (k + 1) * batched.chunk_samples]
+        mine = batched.speech_probabilities(chunks, ours)
+        expected = reference.speech_probabilities(chunks, theirs)
+        np.testing.assert_allclose(mine, expected, atol=1e-4)
+        assert ((mine > 0.5) == (expected > 0.5)).all()
+        decisions += int((expected > 0.5).sum())
+    assert decisions > 100, "the streams held speech"
+
+
+def test_the_vad_weights_are_read_from_the_packaged_model_and_a_file_without_them_is_refused(
+    prepared: PreparedModels, tmp_path: Path
+) -> None:
+    weights = read_weights(prepared.vad)
+    assert {name: w.shape for name, w in weights.items()} == WEIGHTS
+    assert all(w.dtype == np.float32 and np.isfinite(w).all() and w.any() for w in weights.values())
+    (tmp_path / "other.onnx").write_bytes(prepared.vad.read_bytes().replace(b"then_branch", b"else_branch"))
+    with pytest.raises(WeightsNotFound, match="no single 16 kHz"):
+        read_weights(tmp_path / "other.onnx")
 
 
 def test_vad_rejects_chunks_of_the_wrong_size(vad: SileroVAD) -> None:
