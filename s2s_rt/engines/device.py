@@ -21,6 +21,8 @@ from typing import Any
 import ctranslate2
 import onnxruntime
 
+from s2s_rt.cpuinfo import cpu_flags
+
 logger = logging.getLogger(__name__)
 
 #: What ``providers=`` of an ``onnxruntime.InferenceSession`` accepts: names,
@@ -158,17 +160,8 @@ def multiplies_int8_fast(cpuinfo: str | None = None) -> bool:
     Args:
         cpuinfo: ``/proc/cpuinfo``'s text (read when None).
     """
-    if cpuinfo is None:
-        try:
-            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as file:
-                cpuinfo = file.read()
-        except OSError:
-            return True
-    for line in cpuinfo.splitlines():
-        name, _, value = line.partition(":")
-        if name.strip() == "flags":
-            return bool(INT8_DOT_PRODUCT_FLAGS & set(value.split()))
-    return True
+    flags = cpu_flags(cpuinfo)
+    return flags is None or bool(INT8_DOT_PRODUCT_FLAGS & flags)
 
 
 def session_options(intra_threads: int) -> onnxruntime.SessionOptions:

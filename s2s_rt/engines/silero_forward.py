@@ -2,12 +2,12 @@
 
 ONNX Runtime runs Silero's convolutions one session at a time: each window
 is four STFT frames, so every convolution is a product with four columns,
-and a batch of 100 windows costs 110 µs each on an AVX2 core. Here the
-frames of every window in the batch go through each layer as one matrix
-product (the STFT's basis, the encoder's taps, the LSTM cell's gates), which
-costs about half as much for a batch of 32 or more, with the same results to
-about 1e-7 (checked against ONNX Runtime at every load; see
-:meth:`~s2s_rt.engines.silero.SileroVAD`).
+and a batch of 100 windows costs 110 µs each on an AVX2 core. Here the STFT
+is a real FFT (its basis is a Hann-windowed DFT), and the frames of every
+window in the batch go through each later layer as one matrix product (the
+encoder's taps, the LSTM cell's gates), with the same results to about 1e-6
+(checked against ONNX Runtime at every load; see
+:class:`~s2s_rt.engines.silero.SileroVAD`).
 
 The weights are read from the packaged ``silero_vad.onnx`` itself (v5/v6:
 the 16 kHz branch of its top ``If``) with a small reader of protobuf's wire
@@ -49,6 +49,8 @@ WEIGHTS: dict[str, tuple[int, ...]] = {
 #: The prefix the exporter gave the 16 kHz branch (``sr == 16000`` selects the ``If``'s then-branch).
 BRANCH_16K = "then_branch"
 _FLOAT, _PAD = 1, 64
+#: The STFT: frames of 256 samples every 128, 129 frequency bins.
+_FRAME, _HOP, _BINS = 256, 128, 129
 
 
 class WeightsNotFound(ValueError):
@@ -204,9 +206,12 @@ class SileroForward:
     context, and states ``(2, B, 128)``, to probabilities ``(B, 1)`` and the new states."""
 
     def __init__(self, weights: dict[str, Float32Array]) -> None:
-        basis = weights["stft.forward_basis_buffer"][:, 0, :].T  # (256, 258)
-        # The STFT: frame k is blocks k and k+1 of 128 samples; one product over every block gives both halves.
-        self._stft = np.ascontiguousarray(np.concatenate([basis[:128], basis[128:]], axis=1))  # (128, 516)
+        # The STFT's basis is a Hann-windowed DFT (cosines, then negated sines): a real FFT computes it.
+        self._window = (0.5 - 0.5 * np.cos(2 * np.pi * np.arange(_FRAME) / _FRAME)).astype(np.float32)
+        turns = 2 * np.pi * np.outer(np.arange(_BINS), np.arange(_FRAME)) / _FRAME
+        dft = np.concatenate([np.cos(turns), -np.sin(turns)]) * self._window
+        if not np.allclose(weights["stft.forward_basis_buffer"][:, 0, :], dft, atol=1e-5):
+            raise WeightsNotFound("the STFT's basis is not a Hann-windowed DFT of 256 samples")
 
         def taps(index: int) -> Float32Array:  # (out, in, 3) -> (3 * in, out), tap by tap
             w = weights[f"encoder.{index}.reparam_conv.weight"]
@@ -234,11 +239,10 @@ class SileroForward:
         padded = np.empty((b, 640), np.float32)
         padded[:, :576] = windows
         padded[:, 576:] = windows[:, -2 : -2 - _PAD : -1]  # reflected
-        blocks = (padded.reshape(b * 5, 128) @ self._stft).reshape(b, 5, 516)
-        spectrum = blocks[:, :4, :258] + blocks[:, 1:, 258:]  # (b, 4, 258)
-        magnitude = np.square(spectrum[..., :129])
-        magnitude += np.square(spectrum[..., 129:])
-        np.sqrt(magnitude, out=magnitude)  # (b, 4, 129)
+        blocks = padded.reshape(b, 5, _HOP)
+        frames = np.concatenate([blocks[:, :4], blocks[:, 1:]], axis=2)  # (b, 4, 256): blocks k and k + 1
+        frames *= self._window
+        magnitude = np.abs(np.fft.rfft(frames, axis=-1))  # (b, 4, 129), float32
         # Encoder 0: kernel 3, padding 1, four frames in and out.
         t = (magnitude.reshape(b * 4, 129) @ self._e0).reshape(b, 4, 3, 128)
         h0 = t[:, :, 1] + self._b[0]

@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from s2s_rt.cpuinfo import cpu_name
 from s2s_rt.engines.base import PIPELINE_RATE, Float32Array, ms_to_samples, samples_to_ms
 from s2s_rt.engines.rnnoise import DELAY_SAMPLES, RNNoise
 from s2s_rt.evaluation.grading import spoken_word_error_rate
@@ -393,7 +394,7 @@ def run(n_questions: int, out: Path, progress: Callable[[str], None] = print) ->
         "wall_s": time.perf_counter() - started,
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(),
-        "machine": {"cpu_count": os.cpu_count(), "processor": _cpu_name(), "python": platform.python_version()},
+        "machine": {"cpu_count": os.cpu_count(), "processor": cpu_name(), "python": platform.python_version()},
         "table": rows,
         "by_voice": voices,
         "clips": [asdict(o) for o in outcomes],
@@ -401,16 +402,6 @@ def run(n_questions: int, out: Path, progress: Callable[[str], None] = print) ->
     out.mkdir(parents=True, exist_ok=True)
     (out / "noise.json").write_text(json.dumps(report, indent=1))
     return report
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,6 +16,7 @@ import pytest
 from conftest import word_error_rate
 
 from s2s_rt.audio import resample
+from s2s_rt.cpuinfo import cpu_flags, cpu_name, cpuinfo_field
 from s2s_rt.engines import device
 from s2s_rt.engines.base import PIPELINE_RATE, Float32Array
 from s2s_rt.engines.default import load_default_stack
@@ -284,6 +285,13 @@ def test_the_llm_runs_in_float32_where_int8_is_slow_and_whisper_stays_int8(monke
         assert resolve_device("cpu").ct2_compute_type(quantized=True) == llm
 
 
+def test_one_reader_gives_the_cpus_name_and_flags() -> None:
+    assert cpuinfo_field("vendor_id", AMD_EPYC_AVX2) == "AuthenticAMD"
+    assert cpu_flags(XEON_VNNI) == {"fpu", "avx", "avx2", "avx512f", "avx512bw", "avx512_vnni"}
+    assert cpu_flags(ARM) is None and cpuinfo_field("model name", ARM) is None
+    assert cpu_name() and cpu_name() != "unknown"
+
+
 def test_auto_device_always_ends_with_the_cpu_provider() -> None:
     assert resolve_device("auto").onnx_providers[-1] == CPU_PROVIDER
 
@@ -314,3 +322,5 @@ def test_default_stack_loads_every_engine_and_describes_them(prepared: PreparedM
     llm = next(line for line in stack.description if line.startswith("LLM"))
     assert ("CTranslate2 float32" in llm) == (not multiplies_int8_fast()), llm
     assert ("kept model state checked" in llm) or multiplies_int8_fast(), llm
+    # The VAD on the CPU scores its batches in numpy.
+    assert "batched in numpy" in next(line for line in stack.description if line.startswith("VAD"))
