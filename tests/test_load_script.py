@@ -256,3 +256,23 @@ def test_transports_mode_measures_a_phone_call_beside_websocket_and_webrtc(tmp_p
         assert latency["n"] == 2 and 0.3 <= latency["p50"] < 1.5, (kind, latency)
         idle = report[kind]["idle_server_cores_per_session"]
         assert len(idle) == 2 and all(v is not None and v > 0 for v in idle), (kind, idle)
+
+
+def test_listen_mode_over_webrtc_probes_each_calls_vad_delay(tmp_path: Path) -> None:
+    """Calls per process are measured as listening sessions are: silent calls ramped up, each probing its
+    VAD decision delay over the data channel."""
+    out = tmp_path / "report.json"
+    argv = [sys.executable, str(ROOT / "bin" / "s2s-rt-load"), "--mode", "listen", "--transport", "webrtc"]
+    argv += ["--spawn", "--stack", "fake", "--steps", "2,4", "--step-s", "3", "--warmup-s", "1"]
+    argv += ["--probe-every-s", "0.3", "--json", str(out), "--speech-cache", str(tmp_path / "speech"), *QUICK]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(out.read_text())
+    assert report["ok"] is True and report["settings"]["transport"] == "webrtc", report["counts"]
+    assert [s["sessions"] for s in report["steps"]] == [2, 4]
+    for step in report["steps"]:
+        probes = step["probe_delay_s"]
+        # About one probe per call every 0.3 s over 3 s, each answered after the call's audio before it is heard.
+        assert probes["n"] >= 3 * step["sessions"], probes
+        assert 0 < probes["p50"] < 0.5, probes
+        assert step["failures"] == 0 and step["server"]["cpu_cores_busy"] > 0, step

@@ -87,6 +87,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     lis.add_argument("--turn-every-s", type=float, default=30.0, help="mean seconds between a session's questions")
     lis.add_argument("--probe-every-s", type=float, default=1.0, help="mean seconds between VAD delay probes")
     lis.add_argument("--respond", action="store_true", help="answer the questions too (default: transcribe only)")
+    lis.add_argument(
+        "--transport",
+        choices=["websocket", "webrtc"],
+        default="websocket",
+        help="listen mode: WebSocket sessions, or WebRTC calls (which only listen: silence and probes, no questions)",
+    )
     lis.add_argument("--target-ms", type=float, default=50.0, help="p99 chunk-to-decision delay to stay under")
     lis.add_argument("--keep-going", action="store_true", help="run every step even past the target")
     lis.add_argument(

@@ -1,4 +1,5 @@
-"""Listen mode: mostly listening sessions, ramped up step by step; chunk-to-VAD-decision delay and the knee."""
+"""Listen mode: mostly listening sessions (or WebRTC calls), ramped up step by step; chunk-to-VAD-decision delay
+and the knee."""
 
 from __future__ import annotations
 
@@ -63,6 +64,53 @@ async def listen_session(run: Run, url: str, index: int, start_delay: float, sta
         await client.close()
 
 
+async def listen_call(run: Run, base_url: str, index: int, start_delay: float, started: asyncio.Event) -> None:
+    """A WebRTC call that listens only: its microphone sends silence as a browser's does (Opus, 20 ms packets),
+    and it probes its VAD delay over the data channel (``input_audio_buffer.clear`` → ``cleared``)."""
+    from openai import APIStatusError
+
+    from s2s_rt.bench.call import CallClient
+
+    opts = run.opts
+    await asyncio.sleep(start_delay)
+    try:
+        call = await CallClient.open(base_url, "unused", timeout=opts.open_timeout_s)
+    except APIStatusError as exc:
+        run.counts["rejections" if exc.status_code == 503 else "connect_failures"] += 1
+        started.set()
+        return
+    except Exception as exc:
+        run.fail("connect_failures", index, repr(exc))
+        started.set()
+        return
+    run.counts["sessions_opened"] += 1
+    started.set()
+    rng = random.Random(opts.seed * 1000 + index)
+    try:
+        await call.next_event("session.created", opts.open_timeout_s)
+        while not run.stop.is_set():
+            await pause(run, opts.probe_every_s * rng.uniform(0.5, 1.5))
+            if run.stop.is_set():
+                break
+            sent = time.perf_counter()
+            call.send({"type": "input_audio_buffer.clear"})
+            try:
+                cleared = await call.next_event(("input_audio_buffer.cleared", "error"), 10)
+            except TimeoutError:
+                run.fail("lost_events", index, "a probe's input_audio_buffer.cleared did not come within 10 s")
+                break
+            if cleared["type"] == "error":
+                run.fail("error_events", index, f"error: {cleared.get('error')}")
+                break
+            run.probes.append((sent, cleared["_received"] - sent))
+        if call.pc.connectionState in ("failed", "closed"):
+            run.counts["closed_by_server"] += 1
+    except TimeoutError:
+        run.fail("lost_events", index, "no session.created")
+    finally:
+        await call.close()
+
+
 async def run_listen(opts: argparse.Namespace, server: ServerHandle, clips: list[Clip]) -> dict[str, Any]:
     """Listening-capacity mode: ramp up sessions and find the knee."""
     run = Run(opts, clips)
@@ -82,8 +130,13 @@ async def run_listen(opts: argparse.Namespace, server: ServerHandle, clips: list
         opened = [asyncio.Event() for _ in range(add)]
         for k in range(add):
             idx = len(sessions)
+            delay = rng.uniform(0, opts.ramp_s)
             sessions.append(
-                asyncio.create_task(listen_session(run, server.url, idx, rng.uniform(0, opts.ramp_s), opened[k]))
+                asyncio.create_task(
+                    listen_call(run, f"{server.http}/v1", idx, delay, opened[k])
+                    if opts.transport == "webrtc"
+                    else listen_session(run, server.url, idx, delay, opened[k])
+                )
             )
         if opened:
             with contextlib.suppress(TimeoutError):
@@ -155,6 +208,7 @@ async def run_listen(opts: argparse.Namespace, server: ServerHandle, clips: list
         "probe_every_s": opts.probe_every_s,
         "respond": opts.respond,
         "target_ms": opts.target_ms,
+        "transport": opts.transport,
     }
     report["steps"] = steps_out
     report["knee_sessions"] = knee
