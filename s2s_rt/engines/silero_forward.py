@@ -195,6 +195,9 @@ def blas_on_one_thread() -> None:
 
 
 def _sigmoid(x: Float32Array) -> Float32Array:
+    # Past ±80 the float32 result is 0 or 1 anyway; clipped, exp never overflows (a full-scale square wave
+    # drives the LSTM's gates that far).
+    np.clip(x, -80.0, 80.0, out=x)
     np.negative(x, out=x)
     np.exp(x, out=x)
     x += 1.0

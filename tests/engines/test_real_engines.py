@@ -9,6 +9,7 @@ on every machine.
 from __future__ import annotations
 
 import threading
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -196,6 +197,20 @@ def test_the_batched_numpy_vad_scores_as_onnx_runtime_does(
         assert ((mine > 0.5) == (expected > 0.5)).all()
         decisions += int((expected > 0.5).sum())
     assert decisions > 100, "the streams held speech"
+
+
+def test_the_batched_numpy_vad_takes_full_scale_audio_as_onnx_runtime_does(prepared: PreparedModels) -> None:
+    """A full-scale square wave sweeping up for ten seconds drives the LSTM's gates past exp's range in float32:
+    no overflow, and the same probabilities."""
+    batched, reference = SileroVAD(prepared.vad), SileroVAD(prepared.vad, batched_forward=False)
+    ours, theirs = [batched.new_state()], [reference.new_state()]
+    n = np.arange(batched.chunk_samples)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for k in range(320):
+            chunk = np.sign(np.sin(n * (0.01 + 0.01 * k)))[None].astype(np.float32)
+            mine = batched.speech_probabilities(chunk, ours)
+            np.testing.assert_allclose(mine, reference.speech_probabilities(chunk, theirs), atol=1e-4)
 
 
 def test_the_vad_weights_are_read_from_the_packaged_model_and_a_file_without_them_is_refused(
