@@ -11,10 +11,14 @@ from __future__ import annotations
 import threading
 import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 from conftest import word_error_rate
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
 
 from s2s_rt.audio import resample
 from s2s_rt.cpuinfo import cpu_flags, cpu_name, cpuinfo_field
@@ -26,7 +30,7 @@ from s2s_rt.engines.mel import LogMelSpectrogram
 from s2s_rt.engines.phonemes import espeak_phonemizer
 from s2s_rt.engines.piper import PiperTTS
 from s2s_rt.engines.silero import SileroVAD
-from s2s_rt.engines.silero_forward import WEIGHTS, WeightsNotFound, read_weights
+from s2s_rt.engines.silero_forward import WEIGHTS, SileroForward, WeightsNotFound, read_weights
 from s2s_rt.engines.whisper import WhisperSTT
 from s2s_rt.models import ModelError, PreparedModels, ensure_prepared
 
@@ -211,6 +215,31 @@ def test_the_batched_numpy_vad_takes_full_scale_audio_as_onnx_runtime_does(prepa
             chunk = np.sign(np.sin(n * (0.01 + 0.01 * k)))[None].astype(np.float32)
             mine = batched.speech_probabilities(chunk, ours)
             np.testing.assert_allclose(mine, reference.speech_probabilities(chunk, theirs), atol=1e-4)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    windows=arrays(np.float32, st.tuples(st.integers(1, 48), st.just(576)), elements=st.floats(-1, 1, width=32)),
+    state_scale=st.sampled_from([0.0, 0.5, 5.0, 50.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_any_batch_of_windows_and_states_scores_as_onnx_runtime_does(
+    vad_pair: tuple[SileroForward, Any], windows: Float32Array, state_scale: float, seed: int
+) -> None:
+    """Any windows in [-1, 1] (with their context), any batch size, any state of the size the LSTM reaches."""
+    forward, session = vad_pair
+    state = (np.random.default_rng(seed).standard_normal((2, len(windows), 128)) * state_scale).astype(np.float32)
+    mine, my_state = forward(windows, state)
+    expected, expected_state = session.run(None, {"input": windows, "state": state, "sr": np.array(16000)})
+    np.testing.assert_allclose(mine, expected, atol=1e-4)
+    np.testing.assert_allclose(my_state, expected_state, atol=1e-4, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def vad_pair(prepared: PreparedModels) -> tuple[SileroForward, Any]:
+    """The numpy forward pass and the ONNX Runtime session it stands in for."""
+    reference = SileroVAD(prepared.vad, batched_forward=False)
+    return SileroForward.from_onnx(prepared.vad), reference._session
 
 
 def test_the_vad_weights_are_read_from_the_packaged_model_and_a_file_without_them_is_refused(
