@@ -24,6 +24,9 @@ from s2s_rt.written_numbers import written
 #: The longest user turn whose numbers are written in digits: this runs on the event loop, at about 1 µs a
 #: character (0.2-0.5 s for a 200-350 kB message); a spoken request is a few hundred characters.
 WRITTEN_MAX_CHARS = 4000
+#: How much of the end of the user's last words is searched for a question about the date or the time: the
+#: search runs on the event loop at 1.5-3 µs a character (a 200 kB typed message held the loop 0.59 s).
+ASKS_MAX_CHARS = 1000
 
 #: The instructions of a session whose client gives none.
 DEFAULT_INSTRUCTIONS = SessionConfig().instructions
@@ -109,8 +112,9 @@ def with_answer_context(
     """``messages`` with the date after the user's last words and the language at the end of the system message.
 
     The date follows the user's words when the answer is to them (the last
-    message) and they ask for it ("What day is it?", "how many days
-    until…"), the clock time when they ask for that ("What time is it?",
+    message) and they ask for it, in their last :data:`ASKS_MAX_CHARS`
+    characters ("What day is it?", "how many days until…"), the clock time
+    when they ask for that ("What time is it?",
     "in twenty minutes"); words that only mention time ("right now",
     "tomorrow") get neither, since the model repeats what it is told. The language to answer in ends the
     system message when it is not English. The server's default instructions get
@@ -127,7 +131,8 @@ def with_answer_context(
         examples: add :data:`ANSWER_EXAMPLES` where they belong (off only to measure them).
     """
     words = messages[-1].content if messages and messages[-1].role == "user" else ""
-    date, clock = asks_date(words), asks_time(words)
+    end = words[-ASKS_MAX_CHARS:]
+    date, clock = asks_date(end), asks_time(end)
     if words and tools and len(words) <= WRITTEN_MAX_CHARS and (digits := written(words)) != words:
         # A function's arguments want digits: "a quarter to six" is shown as "5:45" (s2s_rt.written_numbers).
         words = digits

@@ -15,6 +15,7 @@ from s2s_rt.engines.base import ChatMessage, LLMRequest
 from s2s_rt.engines.fake import EchoLLM, load_fake_stack
 from s2s_rt.spoken_answer import (
     ANSWER_EXAMPLES,
+    ASKS_MAX_CHARS,
     DEFAULT_INSTRUCTIONS,
     date_context,
     language_context,
@@ -47,6 +48,14 @@ def test_a_question_about_the_clock_gets_the_time_and_a_time_reckoned_from_now_g
     for words in ("What time is it?", "Set an alarm in twenty minutes."):
         _, user = with_answer_context([ChatMessage("system", "Be brief."), ChatMessage("user", words)], now=THURSDAY)
         assert user.content == f"{words}\n\n(The time is 3:40 PM.)"
+
+
+def test_only_the_end_of_a_long_message_is_searched_for_a_question_about_the_time() -> None:
+    """The search runs on the event loop: a 200 kB message held it 0.59 s. A question at its end is still seen."""
+    padding = "w " * (ASKS_MAX_CHARS * 100)
+    for words, asks in ((padding + "What time is it?", True), ("What time is it? " + padding, False)):
+        _, user = with_answer_context([ChatMessage("system", "Be brief."), ChatMessage("user", words)], now=THURSDAY)
+        assert user.content.endswith("(The time is 3:40 PM.)") == asks
 
 
 @pytest.mark.parametrize(
