@@ -148,3 +148,22 @@ def test_sigterm_ends_a_process_whose_engine_call_is_wedged_within_the_grace_per
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_the_shutdown_deadline_names_what_still_runs() -> None:
+    """When a signalled shutdown overruns, the log says which tasks were still running, and where they wait."""
+    from s2s_rt.server.lifecycle import still_running
+
+    async def stuck_in_teardown() -> None:
+        await asyncio.sleep(60)
+
+    async def main() -> list[str]:
+        task = asyncio.create_task(stuck_in_teardown(), name="call-rtc_stuck")
+        await asyncio.sleep(0)
+        loop = asyncio.get_running_loop()
+        seen = await asyncio.to_thread(still_running, loop)  # read from another thread, as the deadline's timer does
+        task.cancel()
+        return seen
+
+    seen = asyncio.run(main())
+    assert any(line.startswith("call-rtc_stuck (") and "stuck_in_teardown line" in line for line in seen), seen

@@ -138,7 +138,8 @@ class Server:
         self._stop.set()
         if self._deadline is None:
             # A thread, not the loop: it fires even if the loop or a task group is wedged.
-            self._deadline = threading.Timer(self.config.grace_period_s + SHUTDOWN_MARGIN_S, _exit_now)
+            loop = asyncio.get_running_loop()
+            self._deadline = threading.Timer(self.config.grace_period_s + SHUTDOWN_MARGIN_S, _exit_now, (loop,))
             self._deadline.daemon = True
             self._deadline.start()
 
@@ -361,8 +362,32 @@ class Server:
 SHUTDOWN_MARGIN_S = 0.75
 
 
-def _exit_now() -> None:
-    log.error("shutdown did not finish within the grace period; exiting now")
+def still_running(loop: asyncio.AbstractEventLoop) -> list[str]:
+    """The tasks of ``loop`` not done, each as its name and where its coroutine waits (read from another
+    thread: a set that changes meanwhile is read again, three times at most)."""
+    for _ in range(3):
+        try:
+            tasks = list(asyncio.all_tasks(loop))
+            break
+        except RuntimeError:
+            continue
+    else:
+        return []
+    out = []
+    for task in tasks:
+        frame = getattr(task.get_coro(), "cr_frame", None)
+        where = f" ({frame.f_code.co_qualname} line {frame.f_lineno})" if frame is not None else ""
+        out.append(f"{task.get_name()}{where}")
+    return sorted(out)
+
+
+def _exit_now(loop: asyncio.AbstractEventLoop) -> None:
+    running = still_running(loop)
+    log.error(
+        "shutdown did not finish within the grace period; exiting now (%d task(s) still running: %s)",
+        len(running),
+        "; ".join(running[:20]),
+    )
     for handler in logging.getLogger().handlers:
         handler.flush()
     os._exit(1)
