@@ -75,13 +75,15 @@ _ASKS_TIME = re.compile(
 
 
 def asks_date(words: str) -> bool:
-    """Whether the user's words ask for today's date, or for a day reckoned from it (a weekday, days until…)."""
-    return _ASKS_DATE.search(words) is not None
+    """Whether the user's words (their last :data:`ASKS_MAX_CHARS` characters) ask for today's date, or for a day
+    reckoned from it (a weekday, days until…)."""
+    return _ASKS_DATE.search(words[-ASKS_MAX_CHARS:]) is not None
 
 
 def asks_time(words: str) -> bool:
-    """Whether the user's words ask for the clock time, or for a time reckoned from it ("in twenty minutes")."""
-    return _ASKS_TIME.search(words) is not None
+    """Whether the user's words (their last :data:`ASKS_MAX_CHARS` characters) ask for the clock time, or for a time
+    reckoned from it ("in twenty minutes")."""
+    return _ASKS_TIME.search(words[-ASKS_MAX_CHARS:]) is not None
 
 
 def date_context(now: datetime, *, date: bool = True, clock: bool = True) -> str:
@@ -131,8 +133,7 @@ def with_answer_context(
         examples: add :data:`ANSWER_EXAMPLES` where they belong (off only to measure them).
     """
     words = messages[-1].content if messages and messages[-1].role == "user" else ""
-    end = words[-ASKS_MAX_CHARS:]
-    date, clock = asks_date(end), asks_time(end)
+    date, clock = asks_date(words), asks_time(words)
     if words and tools and len(words) <= WRITTEN_MAX_CHARS and (digits := written(words)) != words:
         # A function's arguments want digits: "a quarter to six" is shown as "5:45" (s2s_rt.written_numbers).
         words = digits
