@@ -124,7 +124,7 @@ def test_sigterm_ends_a_process_whose_engine_call_is_wedged_within_the_grace_per
     proc, port = start_server(pool_size=2, grace=grace)
     url = f"ws://127.0.0.1:{port}/v1/realtime"
 
-    async def scenario() -> float:
+    async def scenario() -> tuple[int, float]:
         async with connect(url) as ws:
             item = {
                 "type": "message",
@@ -138,12 +138,50 @@ def test_sigterm_ends_a_process_whose_engine_call_is_wedged_within_the_grace_per
             await asyncio.sleep(0.3)  # the engine call is under way, blocking its thread
             signalled = time.monotonic()
             proc.send_signal(signal.SIGTERM)
-            await asyncio.to_thread(proc.wait, 30)
-            return time.monotonic() - signalled
+            code = await asyncio.to_thread(proc.wait, 30)
+            return code, time.monotonic() - signalled
 
     try:
-        took = run(scenario())
+        code, took = run(scenario())
         assert took <= grace + 1.0, f"exited {took:.2f} s after SIGTERM (grace {grace} s)"
+        # Not the deadline's exit (status 1): the session stuck in its drain was cut, and the shutdown ended.
+        assert proc.stderr is not None
+        assert code == 0, proc.stderr.read()[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_sigterm_with_a_client_that_never_answers_the_close_exits_0_within_the_grace_period() -> None:
+    """A client that completes its handshake and then reads nothing: the server's close (1001) is never answered,
+    which websockets would wait for 10 s (its ``close_timeout``)."""
+    grace = 1.0
+    proc, port = start_server(pool_size=2, grace=grace)
+
+    async def scenario() -> tuple[int, float]:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(
+            b"GET /v1/realtime HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+            b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
+        )
+        assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 101")
+        try:
+            await asyncio.sleep(0.3)
+            signalled = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            code = await asyncio.to_thread(proc.wait, 30)
+            return code, time.monotonic() - signalled
+        finally:
+            writer.close()
+
+    try:
+        code, took = run(scenario())
+        assert proc.stderr is not None
+        log = proc.stderr.read()
+        assert code == 0, log[-2000:]
+        assert took <= grace + 1.0, f"exited {took:.2f} s after SIGTERM (grace {grace} s)"
+        assert "1 session(s) still closing" in log, log[-2000:]
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -1,6 +1,7 @@
 """The server: one ``websockets`` asyncio server, the pool, and HTTP on the same port.
 
 - :mod:`~s2s_rt.server.lifecycle`: :class:`Server`, which keeps only the lifecycle (start, serve, drain, stop).
+- :mod:`~s2s_rt.server.teardown`: the end of a shutdown: sessions closed within a bound, the rest cut.
 - :mod:`~s2s_rt.server.stack`: loading the engines the config names.
 - :mod:`~s2s_rt.server.pool`: the slots, and :meth:`~s2s_rt.server.pool.Pool.claim`.
 - :mod:`~s2s_rt.server.handshake`: session paths, API keys, subprotocols, client addresses.

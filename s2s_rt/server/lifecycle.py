@@ -40,6 +40,7 @@ from s2s_rt.server.pool import Pool
 from s2s_rt.server.secrets import ClientSecrets
 from s2s_rt.server.sip import Phones
 from s2s_rt.server.stack import load_stack
+from s2s_rt.server.teardown import Handlers, end_sessions
 from s2s_rt.slot import Slot
 from s2s_rt.supervise import supervise
 from s2s_rt.turn import SemanticTurnEnd
@@ -231,8 +232,9 @@ class Server:
                 handle = connections.handle
                 if phones is not None:
                     handle = functools.partial(connections.handle, phone_calls=phones.watch)
+                handlers = Handlers(handle)
                 async with serve(
-                    handle,
+                    handlers,
                     cfg.host,
                     cfg.port,
                     process_request=routes.process_request,
@@ -261,7 +263,11 @@ class Server:
                     await self._drain_for_shutdown()
                     connection_class.refuse_unread("the server is shutting down")
                     ws_server.close()
-                    await asyncio.gather(ws_server.wait_closed(), calls.close(), *([phones.close()] if phones else []))
+                    await end_sessions(
+                        [ws_server.wait_closed(), calls.close(), *([phones.close()] if phones else [])],
+                        handlers,
+                        [calls.tasks, *([phones.tasks] if phones else [])],
+                    )
                 for task in tasks:
                     task.cancel()
         finally:
