@@ -181,7 +181,40 @@ def test_sigterm_with_a_client_that_never_answers_the_close_exits_0_within_the_g
         log = proc.stderr.read()
         assert code == 0, log[-2000:]
         assert took <= grace + 1.0, f"exited {took:.2f} s after SIGTERM (grace {grace} s)"
-        assert "1 session(s) still closing" in log, log[-2000:]
+        assert "1 connection(s) dropped" in log, log[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_sigterm_with_connections_that_never_send_or_finish_a_request_exits_0_within_the_grace_period() -> None:
+    """Sockets open on the server's port that never became a session or a request: the listening socket's own
+    close waits for each (the surface fuzzer's SIGTERM found one)."""
+    grace = 1.0
+    proc, port = start_server(pool_size=2, grace=grace)
+
+    async def scenario() -> tuple[int, float]:
+        silent = await asyncio.open_connection("127.0.0.1", port)
+        unfinished = await asyncio.open_connection("127.0.0.1", port)
+        unfinished[1].write(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # its blank line never comes
+        try:
+            await asyncio.sleep(0.3)
+            signalled = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            code = await asyncio.to_thread(proc.wait, 30)
+            return code, time.monotonic() - signalled
+        finally:
+            for _, writer in (silent, unfinished):
+                writer.close()
+
+    try:
+        code, took = run(scenario())
+        assert proc.stderr is not None
+        log = proc.stderr.read()
+        assert code == 0, log[-2000:]
+        assert took <= grace + 1.0, f"exited {took:.2f} s after SIGTERM (grace {grace} s)"
+        assert "2 connection(s) dropped" in log and "never retrieved" not in log, log[-2000:]
     finally:
         if proc.poll() is None:
             proc.kill()

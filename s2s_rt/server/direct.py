@@ -72,6 +72,8 @@ class DirectConnection(ServerConnection):
     post_tasks: ClassVar[set[asyncio.Task[None]]] = set()
     #: The requests with bodies still being read (a client may send its body slowly, or never finish it).
     reading: ClassVar[weakref.WeakSet[posts.Exchange]] = weakref.WeakSet()
+    #: Every connection whose socket is open: WebSockets, requests, handshakes (see :meth:`abort_all`).
+    opened: ClassVar[weakref.WeakSet[DirectConnection]] = weakref.WeakSet()
 
     @functools.cached_property
     def playback(self) -> ClientPlays:
@@ -87,7 +89,12 @@ class DirectConnection(ServerConnection):
                 :func:`~s2s_rt.server.internals.require_websockets`); run in the server's event loop.
         """
         internals.require_websockets()
-        attrs = {"answer_post": staticmethod(answer), "post_tasks": set(), "reading": weakref.WeakSet()}
+        attrs = {
+            "answer_post": staticmethod(answer),
+            "post_tasks": set(),
+            "reading": weakref.WeakSet(),
+            "opened": weakref.WeakSet(),
+        }
         return type(cls.__name__, (cls,), attrs)
 
     @classmethod
@@ -98,6 +105,15 @@ class DirectConnection(ServerConnection):
         """
         for exchange in list(cls.reading):
             exchange.refuse(why)
+
+    @classmethod
+    def abort_all(cls) -> int:
+        """Drop every connection whose socket is still open, whatever it is doing (the end of a shutdown, past its
+        bound: see :mod:`~s2s_rt.server.teardown`); how many."""
+        dropped = list(cls.opened)
+        for connection in dropped:
+            connection.transport.abort()
+        return len(dropped)
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
@@ -119,6 +135,7 @@ class DirectConnection(ServerConnection):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
+        self.opened.add(self)
         # Reading resumes only when the queue has room AND no read bytes wait here: the
         # bytes in ``_rest`` come first, so the queue's resume restarts their parsing instead.
         self.recv_messages.resume = self._queue_has_room
@@ -231,6 +248,7 @@ class DirectConnection(ServerConnection):
             self._later.cancel()
             self._later = None
         self._rest = None
+        self.opened.discard(self)
         super().connection_lost(exc)
 
     def process_event(self, event: Event) -> None:

@@ -267,6 +267,7 @@ class Server:
                         [ws_server.wait_closed(), calls.close(), *([phones.close()] if phones else [])],
                         handlers,
                         [calls.tasks, *([phones.tasks] if phones else [])],
+                        connection_class.abort_all,
                     )
                 for task in tasks:
                     task.cancel()

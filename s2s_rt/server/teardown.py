@@ -6,7 +6,8 @@ replies (gone, hostile, or stopped reading) would hold its connection for websoc
 ``close_timeout`` (10 s), and a session whose engine call is stuck would hold it for the slot's drain
 deadline: either would outlast the process's own deadline, and the process would end with status 1
 instead of 0. So the teardown has a bound of its own (:data:`TEARDOWN_S`); past it, each connection
-still open is dropped (its socket aborted, its handler cancelled) and each call's task cancelled.
+still open is dropped (its socket aborted, a session's handler cancelled: WebSockets, and requests or
+handshakes, which the listening socket's own close waits for too) and each call's task cancelled.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
 
 from websockets.asyncio.server import ServerConnection
 
@@ -54,30 +56,41 @@ class Handlers:
 
 
 async def end_sessions(
-    closing: Iterable[Awaitable[object]], handlers: Handlers, task_sets: Iterable[set[asyncio.Task[None]]]
+    closing: Iterable[Awaitable[object]],
+    handlers: Handlers,
+    task_sets: Iterable[set[asyncio.Task[None]]],
+    abort_connections: Callable[[], int],
 ) -> int:
-    """Await ``closing`` (the server's closes of its sessions) for :data:`TEARDOWN_S` at most; past that,
-    cut every connection of ``handlers`` and cancel every task of ``task_sets`` (the calls'), and give
-    ``closing`` :data:`CUT_S` more. Returns how many connections and calls were cut."""
+    """Await ``closing`` (the server's closes of its sessions) for :data:`TEARDOWN_S` at most; past that, cut
+    every connection of ``handlers``, cancel every task of ``task_sets`` (the calls'), drop every connection
+    still open (``abort_connections``: requests and handshakes too, which the server's own close waits for), and
+    give ``closing`` :data:`CUT_S` more. Returns how many connections and tasks were cut."""
     waiting = asyncio.ensure_future(asyncio.gather(*closing))
+    waiting.add_done_callback(_outcome)
     done, _ = await asyncio.wait({waiting}, timeout=TEARDOWN_S)
     if done:
-        waiting.result()
         return 0
     cut = handlers.cut()
     for tasks in task_sets:
         for task in list(tasks):
             task.cancel()
             cut.append(task)
+    dropped = abort_connections()
     log.warning(
-        "%d session(s) still closing %g s after the running turns: cut (%s)",
-        len(cut),
+        "still closing %g s after the running turns: %d connection(s) dropped, %d task(s) cancelled (%s)",
         TEARDOWN_S,
+        dropped,
+        len(cut),
         ", ".join(sorted(task.get_name() for task in cut)[:20]),
     )
     done, _ = await asyncio.wait({waiting}, timeout=CUT_S)
-    if done:
-        waiting.result()
-    else:
+    if not done:
+        log.warning("still closing %g s after the cut: no longer waited for", CUT_S)
         waiting.cancel()
-    return len(cut)
+    return dropped + len(cut)
+
+
+def _outcome(closing: asyncio.Future[Any]) -> None:
+    """A close that failed is logged, whether the teardown still waited for it or not."""
+    if not closing.cancelled() and not isinstance(closing.exception(), (type(None), asyncio.CancelledError)):
+        log.error("closing the sessions failed", exc_info=closing.exception())
