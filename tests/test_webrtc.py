@@ -463,13 +463,22 @@ def test_a_call_flooding_its_data_channel_is_refused_and_ended_alone() -> None:
                 await calm.next_event("session.created")
                 await flood.next_event("session.created")
                 frame = json.dumps({"type": "conversation.item.retrieve", "item_id": "nope"})
-                for _ in range(3000):
-                    flood.channel.send(frame)
+
+                async def keep_flooding() -> None:
+                    # Past the limit for longer than flood_close_s: 4,000 events a second until the call ends (a
+                    # burst sent at once may all be read within the second, on a fast machine).
+                    while flood.channel.readyState == "open":
+                        for _ in range(200):
+                            flood.channel.send(frame)
+                        await asyncio.sleep(0.05)
+
+                flooding = asyncio.create_task(keep_flooding())
                 codes = set()
                 while "rate_limit_exceeded" not in codes:
                     codes.add((await flood.next_event("error", 10))["error"]["code"])
                 # The flooding call ends; the calm one still has a turn.
                 assert await eventually(lambda: _free(server, len(server.pool.slots) - 1), 15)
+                flooding.cancel()
                 calm.speak(tone(440, 0.8) + silence(1.2))
                 done = await calm.next_event("response.done", 15)
                 assert done["response"]["status"] == "completed"

@@ -94,22 +94,98 @@ def _opus_packets(samples: np.ndarray) -> list[bytes]:
     return out
 
 
+def test_a_microphone_with_dtx_sends_one_frame_in_20_once_silent() -> None:
+    async def scenario() -> None:
+        mic = Playback(send_silence=True, dtx=True)
+        packets = [await asyncio.wait_for(mic.recv(), 1.0) for _ in range(13)]
+        frames = [p.pts // OPUS_FRAME for p in packets]
+        # The first frames, then one in 20 (as libopus with DTX on sends while silent).
+        assert frames == [*range(10), 29, 49, 69], frames
+        mic.stop()
+
+    run(scenario(), timeout=10)
+
+
 def test_the_callers_packets_are_heard_as_mono_48k_and_one_that_does_not_decode_is_skipped() -> None:
-    heard: list[bytes] = []
-    ended: list[str] = []
-    hearing = Hearing(heard.append, ended.append, "rtc_test")
-    speech = np.frombuffer(tone(300, 0.2), dtype="<i2")
-    packets = _opus_packets(speech)
-    hearing.put((OPUS, JitterFrame(packets[0], 0)))
-    hearing.put((OPUS, JitterFrame(b"\xff\xff\xff\xff" * 40, OPUS_FRAME)))  # not Opus: skipped
-    for i, packet in enumerate(packets[1:], start=2):
-        hearing.put((OPUS, JitterFrame(packet, i * OPUS_FRAME)))
-    assert ended == [] and len(heard) >= len(packets) - 1
-    assert {len(pcm) for pcm in heard} == {1920}  # 20 ms of mono PCM16 at 48 kHz
-    assert np.abs(np.frombuffer(heard[-1], dtype="<i2")).max() > 1000
-    # G.711, should a peer choose it: heard at 48 kHz as well.
-    hearing.put((PCMU, JitterFrame(b"\x00" * 160, 0)))
-    assert len(heard[-1]) == 1920 and ended == []
+    async def scenario() -> None:
+        heard: list[bytes] = []
+        ended: list[str] = []
+        hearing = Hearing(heard.append, ended.append, "rtc_test")
+        speech = np.frombuffer(tone(300, 0.2), dtype="<i2")
+        packets = _opus_packets(speech)
+        hearing.put((OPUS, JitterFrame(packets[0], 0)))
+        hearing.put((OPUS, JitterFrame(b"\xff\xff\xff\xff" * 40, OPUS_FRAME)))  # not Opus: skipped
+        for i, packet in enumerate(packets[1:], start=2):
+            hearing.put((OPUS, JitterFrame(packet, i * OPUS_FRAME)))
+        assert ended == [] and len(heard) >= len(packets) - 1
+        # 20 ms of mono PCM16 at 48 kHz each: the skipped packet's time is heard as silence.
+        assert [len(pcm) for pcm in heard] == [1920] * (len(packets) + 1)
+        assert not any(heard[1])
+        assert np.abs(np.frombuffer(heard[-1], dtype="<i2")).max() > 1000
+        # G.711, should a peer choose it: heard at 48 kHz as well.
+        hearing.put((PCMU, JitterFrame(b"\x00" * 160, 0)))
+        assert len(heard[-1]) == 1920 and ended == []
+        hearing.put(None)
+
+    run(scenario())
+
+
+def test_a_callers_dtx_gaps_are_heard_as_silence_in_real_time() -> None:
+    """A caller using Opus DTX sends one packet in 400 ms while silent: the session hears the time between as
+    silence as it passes (not only when the next packet comes), each moment once."""
+
+    async def scenario() -> None:
+        heard: list[tuple[float, int, bool]] = []  # (when, samples, all zero)
+
+        def hear(pcm: bytes) -> None:
+            heard.append((time.monotonic(), len(pcm) // 2, not any(pcm)))
+
+        hearing = Hearing(hear, lambda why: None, "rtc_dtx")
+        stream = _opus_packets(np.frombuffer(tone(300, 0.1) + silence(0.5), dtype="<i2"))
+        packets = stream[:5]
+        start = time.monotonic()
+        for i, packet in enumerate(packets):  # 100 ms of speech, packet by packet
+            hearing.put((OPUS, JitterFrame(packet, i * OPUS_FRAME)))
+            await asyncio.sleep(0.02)
+        spoken_until = time.monotonic()
+        # Then nothing for 400 ms but the DTX packet at its RTP time, as a browser sends it.
+        await asyncio.sleep(0.4 - 0.02)
+        hearing.put((OPUS, JitterFrame(stream[25], 25 * OPUS_FRAME)))
+        await asyncio.sleep(0.3)
+        hearing.put(None)
+        ended = time.monotonic()
+        # The gap was heard while it passed: by 150 ms into it, most of it up to then.
+        by = sum(n for t, n, _ in heard if t <= spoken_until + 0.15) - 48 * 100
+        assert by >= 48 * 60, by
+        # All in all, about as much as the time that passed (each moment once); the gaps' pieces are silence.
+        total_ms = sum(n for _, n, _ in heard) / 48
+        assert (ended - start) * 1000 - 140 <= total_ms <= (ended - start) * 1000 + 40, (total_ms, ended - start)
+        assert all(silent for t, n, silent in heard if t > spoken_until + 0.01 and n != OPUS_FRAME)
+        assert len([n for t, n, _ in heard if t > spoken_until + 0.01 and n == OPUS_FRAME]) == 1
+        # Stopped, it hears nothing more.
+        count = len(heard)
+        await asyncio.sleep(0.2)
+        assert len(heard) == count
+
+    run(scenario())
+
+
+def test_a_jump_in_a_callers_rtp_time_is_heard_as_silence_only_within_a_bound() -> None:
+    async def scenario() -> None:
+        heard: list[bytes] = []
+        hearing = Hearing(heard.append, lambda why: None, "rtc_jump")
+        packet = _opus_packets(np.zeros(480, dtype="<i2"))[0]
+        hearing.put((OPUS, JitterFrame(packet, 0)))
+        hearing.put((OPUS, JitterFrame(packet, 11 * OPUS_FRAME)))  # 10 frames lost: 200 ms of silence
+        assert [len(pcm) for pcm in heard] == [1920, 19200, 1920]
+        hearing.put((OPUS, JitterFrame(packet, 5 * OPUS_FRAME)))  # late, and within what was heard: not again
+        assert len(heard) == 3
+        hearing.put((OPUS, JitterFrame(packet, (12 + 48_000 * 3600 // OPUS_FRAME) * OPUS_FRAME)))  # an hour on
+        hearing.put((OPUS, JitterFrame(packet, (2**32 - OPUS_FRAME))))  # back (wrapping): neither is a gap
+        assert [len(pcm) for pcm in heard[3:]] == [1920, 1920]
+        hearing.put(None)
+
+    run(scenario())
 
 
 def test_a_failure_while_decoding_ends_the_call_alone_and_never_reaches_aiortc(monkeypatch: Any) -> None:
@@ -120,8 +196,12 @@ def test_a_failure_while_decoding_ends_the_call_alone_and_never_reaches_aiortc(m
 
     monkeypatch.setattr(webrtc_audio, "decoder", broken)
     ended: list[str] = []
-    hearing = Hearing(lambda pcm: None, ended.append, "rtc_test")
-    hearing.put((OPUS, JitterFrame(b"\x00", 0)))  # does not raise
+
+    async def scenario() -> None:
+        hearing = Hearing(lambda pcm: None, ended.append, "rtc_test")
+        hearing.put((OPUS, JitterFrame(b"\x00", 0)))  # does not raise
+
+    run(scenario())
     assert ended == ["internal error while decoding its audio"]
 
 
@@ -145,5 +225,37 @@ def test_a_silent_call_sends_no_media_and_its_answer_is_heard_after_the_gap() ->
                 assert len([t for t, _ in call.heard if t >= first]) >= 10
             finally:
                 await call.close()
+
+    run(scenario())
+
+
+def test_a_caller_using_dtx_is_heard_to_stop_speaking_as_one_without_it() -> None:
+    """The server's answer asks for Opus DTX; a caller that uses it falls silent on the wire a moment after its
+    speech. Side by side with one that sends silence every 20 ms, the same speech: the server hears its end as
+    soon, and places it at the same moment of the caller's audio."""
+
+    async def one(port: int, dtx: bool) -> tuple[float, int]:
+        # 700 ms of silence to hear: without the gaps heard on the server's clock, a DTX caller's would be heard
+        # only with the DTX packet after it (1 s after its speech, the 200 ms before DTX and 400 ms at a time).
+        turns = {"type": "server_vad", "silence_duration_ms": 700}
+        session = {"type": "realtime", "audio": {"input": {"turn_detection": turns}}}
+        call = await CallClient.open(f"http://127.0.0.1:{port}/v1", "unused", session=session, dtx=dtx)
+        try:
+            assert call.mic.dtx == dtx  # with dtx: the answer said usedtx=1
+            await call.next_event("session.created", 10)
+            await asyncio.sleep(0.5)
+            spoken = call.speak(tone(300, 0.8))
+            started = await call.next_event("input_audio_buffer.speech_started", 10)
+            stopped = await call.next_event("input_audio_buffer.speech_stopped", 10)
+            return stopped["_received"] - spoken, stopped["audio_end_ms"] - started["audio_start_ms"]
+        finally:
+            await call.close()
+
+    async def scenario() -> None:
+        async with live_server() as server:
+            (late, heard), (late_dtx, heard_dtx) = await asyncio.gather(one(server.port, False), one(server.port, True))
+            # About 80 ms later at most (the gap's check and its margin), never seconds (the next DTX packets).
+            assert late_dtx - late < 0.15, (late, late_dtx)
+            assert abs(heard_dtx - heard) <= 60, (heard, heard_dtx)
 
     run(scenario())

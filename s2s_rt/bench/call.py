@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from typing import Any
 
@@ -60,6 +61,7 @@ class CallClient:
         timeout: float = 15.0,
         *,
         beta: bool = False,
+        dtx: bool = True,
     ) -> CallClient:
         """Offer, post with the ``openai`` SDK, answer, and wait until the events channel is open.
 
@@ -68,6 +70,8 @@ class CallClient:
             api_key: an API key or a client secret.
             session: a session configuration sent with the offer.
             beta: ask for the beta dialect (``OpenAI-Beta: realtime=v1`` on the offer).
+            dtx: the microphone sends Opus DTX while silent when the answer asks for it (``usedtx=1``), as a
+                browser's does; False: silence every 20 ms whatever the answer says.
         """
         from openai import AsyncOpenAI
 
@@ -87,6 +91,7 @@ class CallClient:
             await client.close()
         self.call_id = location.rsplit("/", 1)[-1] or None
         await self.pc.setRemoteDescription(RTCSessionDescription(answer, "answer"))
+        self.mic.dtx = dtx and asks_for_dtx(answer)
         try:
             async with asyncio.timeout(timeout):
                 await self.opened.wait()
@@ -152,6 +157,12 @@ class CallClient:
         for task in self._tasks:
             task.cancel()
         await self.pc.close()
+
+
+def asks_for_dtx(sdp: str) -> bool:
+    """Whether ``sdp`` asks its peer to send Opus with DTX (``usedtx=1`` on an Opus format)."""
+    opus = set(re.findall(r"^a=rtpmap:(\d+) opus/", sdp, re.IGNORECASE | re.MULTILINE))
+    return any(pt in opus for pt in re.findall(r"^a=fmtp:(\d+) .*\busedtx=1\b", sdp, re.MULTILINE))
 
 
 def first_sound_after(heard: list[tuple[float, bytes]], start: float, level: float) -> float | None:

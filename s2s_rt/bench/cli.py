@@ -93,6 +93,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         default="websocket",
         help="listen mode: WebSocket sessions, or WebRTC calls (which only listen: silence and probes, no questions)",
     )
+    p.add_argument(
+        "--caller-dtx",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="WebRTC callers send Opus DTX while silent when the server's answer asks (usedtx=1), as browsers do",
+    )
     lis.add_argument("--target-ms", type=float, default=50.0, help="p99 chunk-to-decision delay to stay under")
     lis.add_argument("--keep-going", action="store_true", help="run every step even past the target")
     lis.add_argument(

@@ -74,7 +74,7 @@ async def listen_call(run: Run, base_url: str, index: int, start_delay: float, s
     opts = run.opts
     await asyncio.sleep(start_delay)
     try:
-        call = await CallClient.open(base_url, "unused", timeout=opts.open_timeout_s)
+        call = await CallClient.open(base_url, "unused", timeout=opts.open_timeout_s, dtx=opts.caller_dtx)
     except APIStatusError as exc:
         run.counts["rejections" if exc.status_code == 503 else "connect_failures"] += 1
         started.set()

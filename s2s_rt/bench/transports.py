@@ -110,7 +110,7 @@ async def websocket_turn(opts: argparse.Namespace, server: ServerHandle, clip: C
 
 
 async def webrtc_turn(opts: argparse.Namespace, server: ServerHandle, clip: Clip) -> dict[str, Any]:
-    call = await CallClient.open(f"{server.http}/v1", "unused", session=_settings(opts))
+    call = await CallClient.open(f"{server.http}/v1", "unused", session=_settings(opts), dtx=opts.caller_dtx)
     try:
         await call.next_event("session.created")
         end_of_speech = call.speak(clip.pcm)
@@ -200,7 +200,7 @@ async def held_open(opts: argparse.Namespace, server: ServerHandle, kind: str, s
             await phone.close()
 
     async def webrtc() -> None:
-        call = await CallClient.open(f"{server.http}/v1", "unused")
+        call = await CallClient.open(f"{server.http}/v1", "unused", dtx=opts.caller_dtx)
         try:
             ready[0] += 1
             if ready[0] == n:

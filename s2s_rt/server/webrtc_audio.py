@@ -14,6 +14,10 @@ most of the time:
 - **In:** each packet aiortc's jitter buffer releases is decoded on the loop
   as it comes, straight to mono, and heard, where aiortc would pass it to a
   thread of its own and each decoded frame back to the loop and a task.
+  The answer asks the caller for Opus DTX (``usedtx=1``): a browser then
+  sends one packet in 400 ms while its user is silent, not 50 a second, and
+  the gaps are heard as silence on the server's clock (:class:`Hearing`), so
+  that the end of a question is heard on time.
 
 (Past aiortc's public API: :mod:`~s2s_rt.server.internals`.)
 """
@@ -64,6 +68,18 @@ HEARD_DELAY_MS = 60.0
 #: Packets aiortc's receiver holds before it decodes one: its own default is 4 (80 ms more before the
 #: server hears each word's end); 1 still puts packets back in order when the next one has come.
 RECEIVE_PREFETCH = int(os.environ.get("S2S_RT_CALL_PREFETCH", "1"))
+#: A caller's packets stopped this long ago: the time since is heard as silence (DTX, or packets lost), up to
+#: :data:`GAP_MARGIN_S` ago (a packet late by that much is still heard as it came), and again this often
+#: until they come back.
+GAP_S = 0.06
+GAP_MARGIN_S = 0.02
+#: A jump in the caller's RTP time longer than this is not heard as silence (a new source, or a clock's
+#: jump): the time it spans has been heard on the server's clock already, as far as it passed.
+MAX_GAP_S = 1.0
+#: Opus DTX as a microphone sends it (libopus, a browser asked ``usedtx=1``): after this many frames of
+#: silence, one frame in :data:`DTX_EVERY`.
+DTX_AFTER = 10
+DTX_EVERY = 20
 
 
 class Playback(Playout, MediaStreamTrack):
@@ -78,10 +94,14 @@ class Playback(Playout, MediaStreamTrack):
 
     kind = "audio"
 
-    def __init__(self, *, send_silence: bool = False) -> None:
+    def __init__(self, *, send_silence: bool = False, dtx: bool = False) -> None:
         MediaStreamTrack.__init__(self)
         Playout.__init__(self, PLAY_RATE, FRAME_SAMPLES, HEARD_DELAY_MS)
         self.send_silence = send_silence
+        #: While silent, send as Opus DTX does (:data:`DTX_AFTER`, :data:`DTX_EVERY`): a browser's microphone
+        #: when the answer asked for it (``usedtx=1``). Only with ``send_silence``.
+        self.dtx = dtx
+        self._silent = 0
         self._encoder = opus_encoder()
         #: When the first frame went, and how many 20 ms frames since: RTP time is ``_index * 960`` at 48 kHz.
         self._origin: float | None = None
@@ -114,7 +134,12 @@ class Playback(Playout, MediaStreamTrack):
                 elif wait < -0.2:
                     # The loop fell behind (a stall): go on from now rather than send a burst.
                     self._index = int((now - self._origin) / FRAME_S)
-            packet = self._encode(self.next_frame())
+            frame = self.next_frame()
+            # Silence as libopus's DTX finds it in the signal (here: digital silence), whatever is queued.
+            self._silent = 0 if frame.any() else self._silent + 1
+            if self.dtx and self._silent > DTX_AFTER and (self._silent - DTX_AFTER) % DTX_EVERY:
+                continue  # not sent: the receiver hears the gap as silence
+            packet = self._encode(frame)
             if packet is not None:
                 return packet
 
@@ -157,6 +182,13 @@ class Hearing:
     Nothing it is handed raises into aiortc: a packet that does not decode is
     skipped (as aiortc does), and any other failure ends the call alone.
 
+    It owns the caller's audio timeline, kept in the caller's RTP time: when
+    packets stop (Opus DTX while the caller is silent, or packets lost) the
+    time that passes is heard as silence, on the loop's clock, every
+    :data:`GAP_S` until they come back; a packet's jump in RTP time past what
+    was heard is silence too; and a packet wholly within what was already
+    heard as silence is not heard again.
+
     Args:
         heard: takes each decoded frame; it must not raise (the call's own handler ends the call instead).
         end: ends the call, saying why.
@@ -170,15 +202,25 @@ class Hearing:
         self._stopped = threading.Event()
         self._codec: str | None = None
         self._decode: Callable[[Any], list[Any]] = list
+        #: RTP ticks a second (the codec's clock), and the RTP time heard up to (None: nothing yet).
+        self._clock = 48_000
+        self._heard_to: int | None = None
+        #: The newest packet's end in RTP time, and when it came (``time.monotonic()``).
+        self._newest = 0
+        self._came = 0.0
+        self._gap: asyncio.TimerHandle | None = None
 
     def put(self, task: tuple[Any, Any] | None) -> None:
         if task is None:
             self._stopped.set()
+            if self._gap is not None:
+                self._gap.cancel()
             return
         codec, encoded = task
         try:
             if codec.name != self._codec:
                 self._decode, self._codec = decoder(codec), codec.name
+                self._clock, self._heard_to = codec.clockRate or 48_000, None
             frames = self._decode(encoded)
         except av.FFmpegError as exc:
             # A packet that does not decode is skipped, as aiortc does (the decoder keeps its state).
@@ -188,8 +230,45 @@ class Hearing:
             log.exception("call %s: its audio could not be decoded; ending it", self._call_id)
             self._end("internal error while decoding its audio")
             return
-        for frame in frames:
-            self._heard(mono_pcm16(frame))
+        pcm = b"".join(mono_pcm16(frame) for frame in frames)
+        if not pcm:
+            return
+        start = encoded.timestamp
+        end = (start + len(pcm) // 2 * self._clock // HEARD_FORMAT.rate) & 0xFFFFFFFF
+        bound = MAX_GAP_S * self._clock
+        if self._heard_to is not None:
+            ahead = _signed(start - self._heard_to)
+            if 0 < ahead <= bound:
+                self._silence(ahead)  # a jump in RTP time: DTX's gap, or packets lost
+            elif -bound <= _signed(end - self._heard_to) <= 0:
+                return  # heard already, as silence
+        if self._heard_to is None or not -bound <= _signed(end - self._heard_to) <= 0:
+            self._heard_to = end  # further on, or a jump past the bound either way: its time from now on
+        self._newest, self._came = end, time.monotonic()
+        self._heard(pcm)
+        if self._gap is None:
+            self._gap = asyncio.get_running_loop().call_later(GAP_S, self._check_gap)
+
+    def _silence(self, ticks: int) -> None:
+        samples = ticks * HEARD_FORMAT.rate // self._clock
+        if samples > 0:
+            self._heard(bytes(2 * samples))
+
+    def _check_gap(self) -> None:
+        """No packet for :data:`GAP_S`: the caller's time since, up to :data:`GAP_MARGIN_S` ago, is heard as silence."""
+        self._gap = None
+        if self._stopped.is_set() or self._heard_to is None:
+            return
+        now = time.monotonic()
+        if now - self._came < GAP_S:
+            self._gap = asyncio.get_running_loop().call_later(self._came + GAP_S - now, self._check_gap)
+            return
+        target = (self._newest + int((now - self._came - GAP_MARGIN_S) * self._clock)) & 0xFFFFFFFF
+        ahead = _signed(target - self._heard_to)
+        if ahead > 0:
+            self._heard_to = target
+            self._silence(ahead)
+        self._gap = asyncio.get_running_loop().call_later(GAP_S, self._check_gap)
 
     def get(self) -> None:
         """aiortc's decoder thread: nothing to decode there; it returns once the receiver stops."""
@@ -216,6 +295,12 @@ def decoder(codec: Any) -> Callable[[Any], list[Any]]:
         return list(context.decode(packet))
 
     return decode
+
+
+def _signed(ticks: int) -> int:
+    """A difference of two RTP times (32 bits, wrapping) as a signed number of ticks."""
+    ticks &= 0xFFFFFFFF
+    return ticks - (1 << 32) if ticks >= 1 << 31 else ticks
 
 
 @functools.lru_cache(maxsize=64)
