@@ -390,6 +390,19 @@ SENT_AUDIO_ENERGY = """
 })()
 """
 
+# What the page's peer connections sent of its microphone (outbound-rtp audio): packets, summed.
+OUTBOUND_PACKETS = """
+(async () => {
+  let packets = 0;
+  for (const pc of window.seen.pcs) {
+    (await pc.getStats()).forEach((r) => {
+      if (r.type === "outbound-rtp" && r.kind === "audio") packets += r.packetsSent || 0;
+    });
+  }
+  return packets;
+})()
+"""
+
 # The settings of the microphone track each peer connection sends.
 SENT_TRACK_SETTINGS = """
 window.seen.pcs.flatMap((pc) => pc.getSenders().map((s) => s.track).filter(Boolean)).map((t) => t.getSettings())
@@ -747,6 +760,24 @@ def test_barge_in_over_webrtc_the_server_cuts_the_answer_and_the_page_shows_what
         shots = os.environ.get("S2S_RT_SCREENSHOTS")
         if shots:
             page.screenshot(Path(shots) / "barge-in-webrtc.png")
+
+
+def test_a_silent_microphone_on_a_call_sends_a_packet_in_400_ms_as_the_servers_answer_asks_for_dtx(
+    tmp_path: Path,
+) -> None:
+    """The server's answer says ``usedtx=1``: Chromium's Opus encoder then sends one packet in 400 ms while the
+    microphone is silent (50 a second otherwise), and the call goes on."""
+    wav = write_mic_wav(tmp_path / "silent.wav", lead_s=1.0, tone_s=0.0, tail_s=1.0)
+    with fake_server("--pool-size", "1") as server, chromium(wav) as browser:
+        page = start_hands_free(browser, server, "webrtc")
+        page.wait_for("s2s.state === 'ready'")
+        time.sleep(1.0)
+        first, began = page.eval(OUTBOUND_PACKETS), time.monotonic()
+        time.sleep(3.0)
+        rate = (page.eval(OUTBOUND_PACKETS) - first) / (time.monotonic() - began)
+        assert first > 0 and rate < 10, (first, rate)
+        assert page.eval("s2s.state") == "ready" and page.eval("s2s.lastError") is None
+        assert_carried_by(page, server, "webrtc")
 
 
 # --- the worklets alone, in Chromium's JavaScript engine -----------------------------
