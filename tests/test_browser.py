@@ -362,46 +362,31 @@ INSTRUMENT = """
 })()
 """
 
-# The answer's track as the page's peer connection received it (inbound-rtp audio), summed over its streams.
-INBOUND_AUDIO = """
-(async () => {
-  const totals = { packetsReceived: 0, totalSamplesReceived: 0, totalAudioEnergy: 0 };
-  for (const pc of window.seen.pcs) {
-    (await pc.getStats()).forEach((r) => {
-      if (r.type === "inbound-rtp" && r.kind === "audio") {
+
+def audio_stats(kind: str, *keys: str) -> str:
+    """JavaScript: the ``keys`` of the page's peer connections' audio stats of ``kind`` (``getStats()``), summed."""
+    return f"""
+(async () => {{
+  const totals = Object.fromEntries({json.dumps(keys)}.map((k) => [k, 0]));
+  for (const pc of window.seen.pcs) {{
+    (await pc.getStats()).forEach((r) => {{
+      if (r.type === {json.dumps(kind)} && r.kind === "audio") {{
         for (const k in totals) totals[k] += r[k] || 0;
-      }
-    });
-  }
+      }}
+    }});
+  }}
   return totals;
-})()
+}})()
 """
 
-# What the page's microphone track gave its peer connection to send (media-source audio), summed.
-SENT_AUDIO_ENERGY = """
-(async () => {
-  let energy = 0;
-  for (const pc of window.seen.pcs) {
-    (await pc.getStats()).forEach((r) => {
-      if (r.type === "media-source" && r.kind === "audio") energy += r.totalAudioEnergy || 0;
-    });
-  }
-  return energy;
-})()
-"""
 
-# What the page's peer connections sent of its microphone (outbound-rtp audio): packets, summed.
-OUTBOUND_PACKETS = """
-(async () => {
-  let packets = 0;
-  for (const pc of window.seen.pcs) {
-    (await pc.getStats()).forEach((r) => {
-      if (r.type === "outbound-rtp" && r.kind === "audio") packets += r.packetsSent || 0;
-    });
-  }
-  return packets;
-})()
-"""
+# The answer's track as the page's peer connection received it.
+INBOUND_AUDIO = audio_stats("inbound-rtp", "packetsReceived", "totalSamplesReceived", "totalAudioEnergy")
+# What the page's peer connections sent of its microphone.
+OUTBOUND_AUDIO = audio_stats("outbound-rtp", "packetsSent")
+
+# What the page's microphone track gave its peer connection to send.
+SENT_AUDIO = audio_stats("media-source", "totalAudioEnergy")
 
 # The settings of the microphone track each peer connection sends.
 SENT_TRACK_SETTINGS = """
@@ -675,12 +660,12 @@ def test_push_to_talk_commits_on_release_and_gets_an_answer(browser: Browser, tr
         if transport == "webrtc":
             # The microphone's tone plays, but the call's track is muted: it has sent no sound.
             page.wait_for("s2s.micLevel > 0.1")
-            assert page.eval(SENT_AUDIO_ENERGY) == 0
+            assert page.eval(SENT_AUDIO)["totalAudioEnergy"] == 0
         page.press("talk")
         page.wait_for("s2s.sentSamples >= 0.8 * 24000")
         page.release("talk")
         if transport == "webrtc":
-            assert page.eval(SENT_AUDIO_ENERGY) > 0
+            assert page.eval(SENT_AUDIO)["totalAudioEnergy"] > 0
         page.wait_for("s2s.assistantTranscripts.length > 0")
         heard_ms = int(page.eval("s2s.userTranscripts[0]").split()[1])
         assert 700 <= heard_ms <= 1500
@@ -772,9 +757,9 @@ def test_a_silent_microphone_on_a_call_sends_a_packet_in_400_ms_as_the_servers_a
         page = start_hands_free(browser, server, "webrtc")
         page.wait_for("s2s.state === 'ready'")
         time.sleep(1.0)
-        first, began = page.eval(OUTBOUND_PACKETS), time.monotonic()
+        first, began = page.eval(OUTBOUND_AUDIO)["packetsSent"], time.monotonic()
         time.sleep(3.0)
-        rate = (page.eval(OUTBOUND_PACKETS) - first) / (time.monotonic() - began)
+        rate = (page.eval(OUTBOUND_AUDIO)["packetsSent"] - first) / (time.monotonic() - began)
         assert first > 0 and rate < 10, (first, rate)
         assert page.eval("s2s.state") == "ready" and page.eval("s2s.lastError") is None
         assert_carried_by(page, server, "webrtc")

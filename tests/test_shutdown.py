@@ -10,6 +10,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Awaitable, Callable
 
 from conftest import run
 from websockets.asyncio.client import connect
@@ -153,19 +154,13 @@ def test_sigterm_ends_a_process_whose_engine_call_is_wedged_within_the_grace_per
             proc.wait()
 
 
-def test_sigterm_with_a_client_that_never_answers_the_close_exits_0_within_the_grace_period() -> None:
-    """A client that completes its handshake and then reads nothing: the server's close (1001) is never answered,
-    which websockets would wait for 10 s (its ``close_timeout``)."""
-    grace = 1.0
+def sigterm_with(open_on: Callable[[int], Awaitable[list[asyncio.StreamWriter]]], grace: float = 1.0) -> str:
+    """A server with what ``open_on(port)`` opens on its port, then SIGTERM: it must exit 0 within its grace period
+    and a second. Returns its log."""
     proc, port = start_server(pool_size=2, grace=grace)
 
     async def scenario() -> tuple[int, float]:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(
-            b"GET /v1/realtime HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-            b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
-        )
-        assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 101")
+        writers = await open_on(port)
         try:
             await asyncio.sleep(0.3)
             signalled = time.monotonic()
@@ -173,39 +168,7 @@ def test_sigterm_with_a_client_that_never_answers_the_close_exits_0_within_the_g
             code = await asyncio.to_thread(proc.wait, 30)
             return code, time.monotonic() - signalled
         finally:
-            writer.close()
-
-    try:
-        code, took = run(scenario())
-        assert proc.stderr is not None
-        log = proc.stderr.read()
-        assert code == 0, log[-2000:]
-        assert took <= grace + 1.0, f"exited {took:.2f} s after SIGTERM (grace {grace} s)"
-        assert "1 connection(s) dropped" in log, log[-2000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-
-
-def test_sigterm_with_connections_that_never_send_or_finish_a_request_exits_0_within_the_grace_period() -> None:
-    """Sockets open on the server's port that never became a session or a request: the listening socket's own
-    close waits for each (the surface fuzzer's SIGTERM found one)."""
-    grace = 1.0
-    proc, port = start_server(pool_size=2, grace=grace)
-
-    async def scenario() -> tuple[int, float]:
-        silent = await asyncio.open_connection("127.0.0.1", port)
-        unfinished = await asyncio.open_connection("127.0.0.1", port)
-        unfinished[1].write(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # its blank line never comes
-        try:
-            await asyncio.sleep(0.3)
-            signalled = time.monotonic()
-            proc.send_signal(signal.SIGTERM)
-            code = await asyncio.to_thread(proc.wait, 30)
-            return code, time.monotonic() - signalled
-        finally:
-            for _, writer in (silent, unfinished):
+            for writer in writers:
                 writer.close()
 
     try:
@@ -214,11 +177,42 @@ def test_sigterm_with_connections_that_never_send_or_finish_a_request_exits_0_wi
         log = proc.stderr.read()
         assert code == 0, log[-2000:]
         assert took <= grace + 1.0, f"exited {took:.2f} s after SIGTERM (grace {grace} s)"
-        assert "2 connection(s) dropped" in log and "never retrieved" not in log, log[-2000:]
+        return log
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_sigterm_with_a_client_that_never_answers_the_close_exits_0_within_the_grace_period() -> None:
+    """A client that completes its handshake and then reads nothing: the server's close (1001) is never answered,
+    which websockets would wait for 10 s (its ``close_timeout``)."""
+
+    async def open_on(port: int) -> list[asyncio.StreamWriter]:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(
+            b"GET /v1/realtime HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+            b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
+        )
+        assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 101")
+        return [writer]
+
+    log = sigterm_with(open_on)
+    assert "1 connection(s) dropped" in log, log[-2000:]
+
+
+def test_sigterm_with_connections_that_never_send_or_finish_a_request_exits_0_within_the_grace_period() -> None:
+    """Sockets open on the server's port that never became a session or a request: the listening socket's own
+    close waits for each (the surface fuzzer's SIGTERM found one)."""
+
+    async def open_on(port: int) -> list[asyncio.StreamWriter]:
+        _, silent = await asyncio.open_connection("127.0.0.1", port)
+        _, unfinished = await asyncio.open_connection("127.0.0.1", port)
+        unfinished.write(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # its blank line never comes
+        return [silent, unfinished]
+
+    log = sigterm_with(open_on)
+    assert "2 connection(s) dropped" in log and "never retrieved" not in log, log[-2000:]
 
 
 def test_the_shutdown_deadline_names_what_still_runs() -> None:

@@ -175,14 +175,25 @@ def test_a_jump_in_a_callers_rtp_time_is_heard_as_silence_only_within_a_bound() 
         heard: list[bytes] = []
         hearing = Hearing(heard.append, lambda why: None, "rtc_jump")
         packet = _opus_packets(np.zeros(480, dtype="<i2"))[0]
+
+        def ms(pieces: list[bytes]) -> float:
+            return sum(len(pcm) for pcm in pieces) / 2 / 48
+
         hearing.put((OPUS, JitterFrame(packet, 0)))
-        hearing.put((OPUS, JitterFrame(packet, 11 * OPUS_FRAME)))  # 10 frames lost: 200 ms of silence
-        assert [len(pcm) for pcm in heard] == [1920, 19200, 1920]
+        await asyncio.sleep(0.2)  # 10 frames lost meanwhile: heard as silence, each moment once
+        hearing.put((OPUS, JitterFrame(packet, 11 * OPUS_FRAME)))
+        assert 220 <= ms(heard) <= 245, ms(heard)
+        count = len(heard)
         hearing.put((OPUS, JitterFrame(packet, 5 * OPUS_FRAME)))  # late, and within what was heard: not again
-        assert len(heard) == 3
-        hearing.put((OPUS, JitterFrame(packet, (12 + 48_000 * 3600 // OPUS_FRAME) * OPUS_FRAME)))  # an hour on
+        assert len(heard) == count
+        # Timestamps 0.9 s apart, sent at once: never heard faster than real time (20 ms each, and the packets).
+        for i in range(20):
+            hearing.put((OPUS, JitterFrame(packet, (12 + 45 * (i + 1)) * OPUS_FRAME)))
+        assert ms(heard[count:]) <= 20 * 40 + 20, ms(heard[count:])
+        count = len(heard)
+        hearing.put((OPUS, JitterFrame(packet, (2000 + 48_000 * 3600 // OPUS_FRAME) * OPUS_FRAME)))  # an hour on
         hearing.put((OPUS, JitterFrame(packet, (2**32 - OPUS_FRAME))))  # back (wrapping): neither is a gap
-        assert [len(pcm) for pcm in heard[3:]] == [1920, 1920]
+        assert [len(pcm) for pcm in heard[count:]] == [1920, 1920]
         hearing.put(None)
 
     run(scenario())

@@ -236,15 +236,18 @@ class Hearing:
         start = encoded.timestamp
         end = (start + len(pcm) // 2 * self._clock // HEARD_FORMAT.rate) & 0xFFFFFFFF
         bound = MAX_GAP_S * self._clock
+        now = time.monotonic()
         if self._heard_to is not None:
             ahead = _signed(start - self._heard_to)
             if 0 < ahead <= bound:
-                self._silence(ahead)  # a jump in RTP time: DTX's gap, or packets lost
+                # A jump in RTP time: DTX's gap, or packets lost; never more than the time that has passed (a
+                # caller's timestamps cannot make the server hear faster than real time).
+                self._silence(min(ahead, int((now - self._came + FRAME_S) * self._clock)))
             elif -bound <= _signed(end - self._heard_to) <= 0:
                 return  # heard already, as silence
         if self._heard_to is None or not -bound <= _signed(end - self._heard_to) <= 0:
             self._heard_to = end  # further on, or a jump past the bound either way: its time from now on
-        self._newest, self._came = end, time.monotonic()
+        self._newest, self._came = end, now
         self._heard(pcm)
         if self._gap is None:
             self._gap = asyncio.get_running_loop().call_later(GAP_S, self._check_gap)
