@@ -427,20 +427,41 @@ def test_a_request_goes_to_the_function_it_needs_and_small_talk_to_none(
         assert json.loads(text.removeprefix("<tool_call>\n").removesuffix("\n</tool_call>")) == call
 
 
-@pytest.mark.parametrize(
-    ("words", "function"),
-    [
-        # Questions on a function's topic that ask nothing of it: one head for all talk lost them to the function.
-        ("Who composed The Four Seasons?", None),
-        ("What temperature should a fridge be kept at?", None),
-        ("What's a kind way to say sorry to a friend?", None),
-        ("Play some Beatles.", "play_music"),
-        ("Set the heating to twenty one degrees.", "set_thermostat"),
-    ],
-)
+#: Questions on a function's topic that ask nothing of it (one head for all talk lost them to the function), and
+#: two requests that need one. The held-out set's tools.
+ON_A_FUNCTIONS_TOPIC = [
+    ("Who composed The Four Seasons?", None),
+    ("What temperature should a fridge be kept at?", None),
+    ("What's a kind way to say sorry to a friend?", None),
+    ("Play some Beatles.", "play_music"),
+    ("Set the heating to twenty one degrees.", "set_thermostat"),
+]
+
+
+@pytest.fixture(scope="module")
+def float32_llm(shared_models_root: Path) -> CT2ChatLLM:
+    return CT2ChatLLM(shared_models_root / "llm-qwen2.5-coder-0.5b-instruct", compute_type="float32")
+
+
+@pytest.mark.parametrize(("words", "function"), ON_A_FUNCTIONS_TOPIC)
 def test_a_question_on_a_functions_topic_is_not_sent_to_it(
+    float32_llm: CT2ChatLLM, words: str, function: str | None
+) -> None:
+    """The choice by the model's own weights (float32: the same likelihoods on every CPU, to far less than the
+    margins, 0.57 nat at the closest). In int8 they move by up to a nat with the CPU's kernels: on an AMD EPYC
+    with AVX-512 VNNI "What's a kind way to say sorry to a friend?" went to ``send_message`` by 0.82 nat, where
+    the AVX2-only one kept it from every function (BENCHMARKS.md, "Function calls")."""
+    from s2s_rt.evaluation.held_out_tools import TOOLS
+
+    asked = LLMRequest.of([ChatMessage("user", words)], max_tokens=80, temperature=0, tools=TOOLS)
+    assert float32_llm._choose_function(asked, _never) == function
+
+
+@pytest.mark.parametrize(("words", "function"), [ON_A_FUNCTIONS_TOPIC[0], *ON_A_FUNCTIONS_TOPIC[3:]])
+def test_in_int8_a_clear_choice_on_a_functions_topic_is_the_same(
     default_llm: CT2ChatLLM, words: str, function: str | None
 ) -> None:
+    """As the server chooses on a CPU that multiplies int8 fast: the choices made by 2.9 nats or more."""
     from s2s_rt.evaluation.held_out_tools import TOOLS
 
     asked = LLMRequest.of([ChatMessage("user", words)], max_tokens=80, temperature=0, tools=TOOLS)
