@@ -46,12 +46,10 @@ class Handlers:
             del self.live[ws]
 
     def cut(self) -> list[asyncio.Task[None]]:
-        """Drop every connection still served (its socket aborted, its handler cancelled); their tasks."""
-        tasks = []
-        for ws, task in list(self.live.items()):
-            ws.transport.abort()
+        """Cancel every handler still serving a connection (its socket is dropped with the rest); their tasks."""
+        tasks = list(self.live.values())
+        for task in tasks:
             task.cancel()
-            tasks.append(task)
         return tasks
 
 
@@ -61,10 +59,10 @@ async def end_sessions(
     task_sets: Iterable[set[asyncio.Task[None]]],
     abort_connections: Callable[[], int],
 ) -> int:
-    """Await ``closing`` (the server's closes of its sessions) for :data:`TEARDOWN_S` at most; past that, cut
-    every connection of ``handlers``, cancel every task of ``task_sets`` (the calls'), drop every connection
-    still open (``abort_connections``: requests and handshakes too, which the server's own close waits for), and
-    give ``closing`` :data:`CUT_S` more. Returns how many connections and tasks were cut."""
+    """Await ``closing`` (the server's closes of its sessions) for :data:`TEARDOWN_S` at most; past that, cancel
+    every handler of ``handlers`` and every task of ``task_sets`` (the calls'), drop every connection still open
+    (``abort_connections``: sessions', and requests and handshakes, which the server's own close waits for too),
+    and give ``closing`` :data:`CUT_S` more. Returns how many connections and tasks were cut."""
     waiting = asyncio.ensure_future(asyncio.gather(*closing))
     waiting.add_done_callback(_outcome)
     done, _ = await asyncio.wait({waiting}, timeout=TEARDOWN_S)

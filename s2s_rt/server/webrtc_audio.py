@@ -135,10 +135,11 @@ class Playback(Playout, MediaStreamTrack):
                     # The loop fell behind (a stall): go on from now rather than send a burst.
                     self._index = int((now - self._origin) / FRAME_S)
             frame = self.next_frame()
-            # Silence as libopus's DTX finds it in the signal (here: digital silence), whatever is queued.
-            self._silent = 0 if frame.any() else self._silent + 1
-            if self.dtx and self._silent > DTX_AFTER and (self._silent - DTX_AFTER) % DTX_EVERY:
-                continue  # not sent: the receiver hears the gap as silence
+            if self.dtx:
+                # Silence as libopus's DTX finds it in the signal (here: digital silence), whatever is queued.
+                self._silent = 0 if frame.any() else self._silent + 1
+                if self._silent > DTX_AFTER and (self._silent - DTX_AFTER) % DTX_EVERY:
+                    continue  # not sent: the receiver hears the gap as silence
             packet = self._encode(frame)
             if packet is not None:
                 return packet
