@@ -1,10 +1,14 @@
-"""Byte budgets: how much one session may hold in one place at a time.
+"""Budgets: how much one session may hold in one place at a time, and how fast it may send.
 
-A producer that would go over its budget waits until the consumer has
+A producer that would go over a byte budget (:class:`ByteBudget`) waits until the consumer has
 released enough: a client that sends faster than its audio is scored, or
 asks for more than it reads, is slowed down alone (its socket stops being
 read), and nothing queued for it can grow without bound. One item larger
 than the whole budget still passes, alone, so no legal request is refused.
+
+What arrives faster than a rate budget allows (:class:`EventBudget`, a client's events;
+:class:`PacketBudget`, a call's media datagrams) is refused or dropped as it comes, before
+it costs more than the count.
 """
 
 from __future__ import annotations
@@ -48,3 +52,98 @@ class ByteBudget:
         """Everything held was dropped (a session ended): wake every waiter."""
         self.used = 0
         self._released.set()
+
+
+class EventBudget:
+    """A token bucket: ``rate`` events per second on average, ``burst`` at once."""
+
+    def __init__(self, rate: float, burst: int) -> None:
+        self.rate = rate
+        self.burst = float(burst)
+        self.tokens = float(burst)
+        self.last: float | None = None
+
+    def give_back(self) -> None:
+        """Return the token of an event taken but not handled here (it will be taken again)."""
+        self.tokens = min(self.burst, self.tokens + 1.0)
+
+    def take(self, now: float) -> bool:
+        if self.last is not None:
+            self.tokens = min(self.burst, self.tokens + (now - self.last) * self.rate)
+        self.last = now
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return True
+        return False
+
+
+class Flood:
+    """How long refusals have gone on: a second without one ends a flood, one let through now and then as a
+    budget refills does not."""
+
+    __slots__ = ("_last", "_since")
+
+    def __init__(self) -> None:
+        self._since: float | None = None
+        self._last = 0.0
+
+    def refused(self, now: float) -> None:
+        self._last = now
+        if self._since is None:
+            self._since = now
+
+    def accepted(self, now: float) -> None:
+        if self._since is not None and now - self._last >= 1.0:
+            self._since = None
+
+    def lasted(self, now: float) -> float:
+        """Seconds since the flood began (0 when there is none)."""
+        return 0.0 if self._since is None else now - self._since
+
+    def past(self, now: float, seconds: float) -> bool:
+        """Whether a flood has gone on for ``seconds`` or more."""
+        return self._since is not None and now - self._since >= seconds
+
+
+#: A caller's media, per call: 20 ms packets come 50 a second (10 ms ones 100), RTCP a few more; a burst holds
+#: what a network's stall of a second or two lets through at once.
+MEDIA_PACKETS_PER_S = 150.0
+MEDIA_BURST = 150
+#: A call whose media has been dropped this long without a second's pause is ended.
+MEDIA_FLOOD_S = 2.0
+
+
+class PacketBudget:
+    """One call's media datagrams: at most ``rate`` a second on average, ``burst`` at once; the rest are dropped
+    before anything parses them (SRTP, RTP, the jitter buffer, the decoder: far more work than the drop).
+
+    A caller whose datagrams were dropped without a second's pause for ``close_after_s`` is flooding
+    (:meth:`flooding`): a datagram let through now and then, as the budget refills, does not end that.
+    """
+
+    __slots__ = ("_bucket", "_flood", "close_after_s", "dropped")
+
+    def __init__(self, rate: float, burst: int, close_after_s: float) -> None:
+        self._bucket = EventBudget(rate, burst)
+        self.close_after_s = close_after_s
+        #: Datagrams dropped so far.
+        self.dropped = 0
+        self._flood = Flood()
+
+    @classmethod
+    def for_media(cls) -> PacketBudget:
+        """A budget for one call's media (:data:`MEDIA_PACKETS_PER_S`, :data:`MEDIA_BURST`, :data:`MEDIA_FLOOD_S`)."""
+        return cls(MEDIA_PACKETS_PER_S, MEDIA_BURST, MEDIA_FLOOD_S)
+
+    def take(self, now: float) -> bool:
+        """Whether a datagram arriving at ``now`` is let through (False: drop it)."""
+        if self._bucket.take(now):
+            self._flood.accepted(now)
+            return True
+        self.dropped += 1
+        self._flood.refused(now)
+        return False
+
+    def flooding(self, now: float) -> bool:
+        """Whether datagrams have been dropped for ``close_after_s`` without a second's pause."""
+        return self._flood.past(now, self.close_after_s)

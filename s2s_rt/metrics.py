@@ -115,6 +115,10 @@ class Metrics:
         self.events_out = Counter("s2s_events_out_total", "Server events sent, by type.")
         self.errors = Counter("s2s_errors_total", "Error events sent, by code.")
         self.dropped_stale = Counter("s2s_stale_dropped_total", "Work dropped as stale, by stage.")
+        self.media_dropped = Counter(
+            "s2s_media_packets_dropped_total",
+            "Callers' media datagrams dropped unread, past their call's budget (a flood), by transport.",
+        )
         self.stage_restarts = Counter("s2s_stage_restarts_total", "Slot task groups restarted after a crash.")
         self.turns = Counter("s2s_turns_total", "Responses finished, by status.")
         self.speculations = Counter(

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from aiortc.mediastreams import MediaStreamTrack
 from conformance import validate_server_event
 from fuzzing import CALM_TURN_S, TOOL, Finding, FuzzReport, Run, _last_frames, _transcript, calm_worker
 
@@ -1395,6 +1396,99 @@ class HostileCall:
             self.run.report.stats["call events sent"] += 1
 
 
+#: The lies a :class:`LyingMicrophone` tells, and how often each, against a packet sent as a microphone would.
+LIES = {
+    "steady": 60,
+    "jump": 5,
+    "back": 5,
+    "wrap": 2,
+    "race": 5,
+    "repeat": 5,
+    "garbage": 5,
+    "stall": 2,
+    "burst": 3,
+    "flood": 1,
+}
+
+
+class LyingMicrophone(MediaStreamTrack):
+    """A caller's microphone whose RTP lies (an aiortc track: ``recv`` gives its next Opus packet).
+
+    Its RTP time jumps ahead or back, wraps, or runs ahead of real time; packets come twice, in bursts, in a
+    flood, after a stall, or carry what Opus cannot decode; between lies, a tone and silence in real time.
+    The server must hear no faster than its budget allows, end the call if it floods, and stay well.
+    """
+
+    kind = "audio"
+
+    def __init__(self, rng: random.Random) -> None:
+        from s2s_rt.server.webrtc_audio import OPUS_FRAME
+
+        super().__init__()
+        self.rng = rng
+        self.frame = OPUS_FRAME
+        self.payloads = _opus_stream(rng)
+        self.pts = rng.randrange(2**32)
+        self.sent = 0
+        self.moves: dict[str, int] = dict.fromkeys(LIES, 0)
+        self._owed = 0
+        self._step = OPUS_FRAME
+
+    async def recv(self) -> Any:
+        from av import Packet
+
+        from s2s_rt.server.webrtc_audio import OPUS_TIME_BASE
+
+        rng, payload = self.rng, self.payloads[self.sent % len(self.payloads)]
+        if self._owed:
+            self._owed -= 1
+        else:
+            move = rng.choices(list(LIES), weights=list(LIES.values()))[0]
+            self.moves[move] += 1
+            self._step = self.frame
+            if move == "jump":
+                self._step = rng.choice([2, 10, 49, 50, 51, 200, 180_000]) * self.frame  # 180,000: an hour
+            elif move == "back":
+                self._step = -rng.choice([1, 2, 50, 3000]) * self.frame
+            elif move == "wrap":
+                self._step = 2**32 - rng.randrange(1, 5) * self.frame - self.pts  # just short of the wrap
+            elif move == "repeat":
+                self._step = 0
+            elif move == "garbage":
+                payload = rng.randbytes(rng.choice([1, 2, 3, 40, 400, 1000]))
+            elif move in ("race", "burst", "flood"):
+                self._owed = {"race": 10, "burst": 150, "flood": 3000}[move]
+            if move == "stall":
+                await asyncio.sleep(rng.uniform(0.2, 1.5))
+            elif not self._owed:
+                await asyncio.sleep(0.02)
+        if self._owed and self._owed % 200 == 0:
+            await asyncio.sleep(0)  # a flood, not a frozen loop: the fuzzer's own calm call answers ICE here
+        self.pts = (self.pts + self._step) % 2**32
+        packet = Packet(payload)
+        packet.pts, packet.time_base = self.pts, OPUS_TIME_BASE
+        self.sent += 1
+        return packet
+
+
+def _opus_stream(rng: random.Random) -> list[bytes]:
+    """Opus packets of a second of a tone and a second of silence (24 kHz mono, 20 ms each)."""
+    import numpy as np
+    from av import AudioFrame
+
+    from s2s_rt.server.webrtc_audio import PLAY_RATE, opus_encoder
+
+    encoder = opus_encoder()
+    t = np.arange(PLAY_RATE) / PLAY_RATE
+    samples = np.concatenate([np.sin(2 * np.pi * rng.uniform(150, 600) * t) * 8000, np.zeros(PLAY_RATE)])
+    out = []
+    for i in range(0, len(samples), 480):
+        frame = AudioFrame.from_ndarray(samples[i : i + 480].astype(np.int16).reshape(1, -1), layout="mono")
+        frame.sample_rate, frame.pts = PLAY_RATE, i
+        out += [bytes(p) for p in encoder.encode(frame)]
+    return out
+
+
 async def call_worker(run: SurfaceRun, index: int, seed: int) -> None:
     """Real calls one after another, each with a fate: never connects, drops mid-answer, vanishes, overfills…"""
     from aiortc import RTCSessionDescription
@@ -1412,13 +1506,22 @@ async def call_worker(run: SurfaceRun, index: int, seed: int) -> None:
             from aiortc import RTCPeerConnection
 
             pc = RTCPeerConnection()
-            mic = Playback(send_silence=rng.random() < 0.7)  # some microphones fall silent, as with DTX
+            fate = rng.choice(
+                [
+                    *("never_connect", "drop_mid_answer", "vanish", "oversized", "flood", "hangup", "talk"),
+                    *("small_limit", "lying_mic"),
+                ]
+            )
+            mic: Any
+            if fate == "lying_mic":
+                mic = LyingMicrophone(rng)
+            else:
+                # Some microphones fall silent on the wire altogether, some send Opus DTX, some silence.
+                send_silence = rng.random() < 0.7
+                mic = Playback(send_silence=send_silence, dtx=send_silence and rng.random() < 0.5)
             call = HostileCall(run, label, pc, beta=rng.random() < 0.2)
             call.attach(pc.createDataChannel(EVENTS_LABEL))
             pc.addTrack(mic)
-            fate = rng.choice(
-                ["never_connect", "drop_mid_answer", "vanish", "oversized", "flood", "hangup", "talk", "small_limit"]
-            )
             try:
                 await pc.setLocalDescription(await pc.createOffer())
                 sdp = str(pc.localDescription.sdp)
@@ -1523,6 +1626,14 @@ async def _call_fate(
             if i % 500 == 0:
                 await asyncio.sleep(0)
         await asyncio.sleep(rng.uniform(0.2, 1.5))
+    elif fate == "lying_mic":
+        # Its microphone lies meanwhile (LyingMicrophone); it asks for an answer now and then.
+        for _ in range(rng.randrange(1, 4)):
+            await asyncio.sleep(rng.uniform(0.3, 1.5))
+            call.send({"type": "response.create"})
+        run.report.stats["lying mic packets"] += mic.sent
+        for move, n in mic.moves.items():
+            run.report.stats[f"lying mic {move}"] += n
     else:  # talk a little, then leave
         from conftest import silence, tone
 

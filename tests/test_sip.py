@@ -682,6 +682,37 @@ def test_media_sprayed_at_a_call_from_another_address_is_not_heard(tmp_path: Pat
     run(scenario())
 
 
+def test_a_caller_flooding_the_calls_media_port_is_hung_up_and_the_flood_dropped_unread(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with live_server(pool_size=1, sip_port=0, sip_accept=True) as server:
+            assert server.phones is not None
+            # SIPp fails unless the server's BYE comes within 6 s of the answer (its caller sends no media).
+            caller = asyncio.create_task(sipp(tmp_path, silent(9, bye_within_ms=6000), server.phones.port))
+            assert await eventually(lambda: _answered(server), 10)
+            [call] = server.phones.calls.values()
+            assert call.media is not None
+            port = call.media.sdp_answer.audio.port
+            # From the caller's address, 2,000 packets a second of silence, until the server hangs up.
+            sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            sock.bind(("127.0.0.1", 0))
+            sent = 0
+            try:
+                while not caller.done() and sent < 20_000:
+                    for _ in range(20):
+                        sock.sendto(_rtp(sent, 0x5EED, bytes([0xFF]) * 160), ("127.0.0.1", port))
+                        sent += 1
+                    await asyncio.sleep(0.01)
+            finally:
+                sock.close()
+            rc, out = await caller
+            assert rc == 0, out[-3000:]
+            assert call.why == "flooded the call with media"
+            assert server.metrics.media_dropped.get(transport="sip") > sent / 2
+            assert await eventually(lambda: _free(server, 1), 5)
+
+    run(scenario())
+
+
 def test_an_offer_without_g711_or_an_ip_address_is_refused_before_it_rings(caplog: pytest.LogCaptureFixture) -> None:
     async def scenario() -> None:
         async with live_server(pool_size=1, sip_port=0, sip_accept=True) as server:

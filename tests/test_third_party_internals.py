@@ -372,6 +372,52 @@ def test_an_aioice_without_the_consent_constants_is_said_and_left_alone(
     assert record.getMessage().startswith(f"aioice {internals.version('aioice')}: aioice.ice.CONSENT_FAILURES")
 
 
+# --- aioice: a call's media datagrams (s2s_rt.server.webrtc.Call._guard_media) ----------------------------
+
+
+def test_aioice_hands_each_datagram_that_is_not_stun_to_the_connection_the_media_guard_wraps() -> None:
+    from aiortc import RTCIceGatherer, RTCIceTransport
+
+    async def scenario() -> None:
+        ice = RTCIceTransport(RTCIceGatherer())
+        assert internals.media_guard_missing(ice) is None
+        asked: list[bytes] = []
+        assert internals.guard_media(ice, lambda: bool(asked.append(b"")))  # refuses every media datagram
+        connection = ice.iceGatherer._connection
+        # Through the protocol that reads the socket, as a datagram arrives: media (SRTP's first byte 0x80) is
+        # dropped before the queue the DTLS transport reads; DTLS (0x16) and an empty datagram pass.
+        protocol = aioice.ice.StunProtocol(connection)
+        protocol.local_candidate = SimpleNamespace(component=1)
+        for data in (bytes([0x80]) + bytes(40), bytes([0x16]) + bytes(40), b""):
+            protocol.datagram_received(data, ("127.0.0.1", 9))
+        assert len(asked) == 1
+        queued = [connection._queue.get_nowait() for _ in range(connection._queue.qsize())]
+        assert [data[:1] for data, _ in queued] == [b"\x16", b""]
+
+    run(scenario())
+
+
+def test_an_aioice_whose_protocol_calls_elsewhere_keeps_the_media_unguarded_and_says_so(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from aiortc import RTCIceGatherer, RTCIceTransport
+
+    def datagram_received(self: Any, data: bytes, addr: Any) -> None:
+        self.receiver.taken(data)
+
+    monkeypatch.setattr(aioice.ice.StunProtocol, "datagram_received", datagram_received)
+    internals._said_once.cache_clear()
+
+    async def scenario() -> bool:
+        return internals.guard_media(RTCIceTransport(RTCIceGatherer()), lambda: False)
+
+    with caplog.at_level(logging.ERROR, "s2s_rt.server.internals"):
+        assert run(scenario()) is False
+    [record] = caplog.records
+    assert record.getMessage().startswith(f"aioice {internals.version('aioice')}: aioice.ice.StunProtocol")
+    assert "taken as fast as its caller sends it" in record.getMessage()
+
+
 # --- aioice: host candidates' ports (s2s_rt.server.webrtc.bind_media_in) -----------------------------------
 
 

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from aiortc import RTCRtpCodecParameters
 from aiortc.jitterbuffer import JitterFrame
-from aiortc.mediastreams import MediaStreamError
+from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 from av import CodecContext, Packet
-from conftest import live_server, run, silence, tone
+from conftest import eventually, live_server, run, silence, tone
 
 from s2s_rt.audio import AudioFormat
 from s2s_rt.bench.call import CallClient
@@ -270,3 +270,92 @@ def test_a_caller_using_dtx_is_heard_to_stop_speaking_as_one_without_it() -> Non
             assert abs(heard_dtx - heard) <= 60, (heard, heard_dtx)
 
     run(scenario())
+
+
+class Racer(MediaStreamTrack):
+    """A microphone that sends a tone's Opus packets in RTP order but not in real time: ``burst`` packets at once
+    every ``every_s`` seconds (in between, one every 20 ms), or ``per_s`` packets a second."""
+
+    kind = "audio"
+
+    def __init__(self, *, per_s: float = 50.0, burst: int = 1, every_s: float = 1.0) -> None:
+        super().__init__()
+        self.per_s, self.burst, self.every_s = per_s, burst, every_s
+        self.payloads = _opus_packets(np.frombuffer(tone(300, 0.2), dtype="<i2"))
+        self.sent = 0
+        self._pts = 0
+        self._burst_at = time.monotonic() + every_s
+        self._owed = 0
+
+    async def recv(self) -> Packet:
+        if self._owed:
+            self._owed -= 1
+        elif self.burst > 1 and time.monotonic() >= self._burst_at:
+            self._burst_at += self.every_s
+            self._owed = self.burst - 1
+        else:
+            await asyncio.sleep(1 / self.per_s)
+        packet = Packet(self.payloads[self.sent % len(self.payloads)])
+        packet.pts, packet.time_base = self._pts, OPUS_TIME_BASE
+        self._pts += OPUS_FRAME
+        self.sent += 1
+        return packet
+
+
+class RacingCall(CallClient):
+    """A call whose microphone is a :class:`Racer` (set before the offer: ``RacingCall.racer = Racer(...)``)."""
+
+    racer: Racer
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pc.getSenders()[0].replaceTrack(self.racer)
+
+
+def test_a_caller_flooding_its_media_is_ended_alone_and_one_bursting_within_the_budget_is_not() -> None:
+    """aiortc takes every packet it is sent (its ICE queue, SRTP, RTP, the jitter buffer): a caller past its media
+    budget has the excess dropped before that, and one that keeps at it is ended. A caller whose packets come in
+    bursts, as after a network's stall, loses none of them."""
+
+    async def scenario() -> None:
+        async with live_server() as server:
+            url = f"http://127.0.0.1:{server.port}/v1"
+            calm = await CallClient.open(url, "unused")
+            RacingCall.racer = Racer(burst=100, every_s=1.5)  # 100 packets at once every 1.5 s, else real time
+            bursty = await RacingCall.open(url, "unused")
+            flood: RacingCall | None = None
+            try:
+                for call in (calm, bursty):
+                    await call.next_event("session.created", 10)
+                while bursty.racer.sent < 400:
+                    await asyncio.sleep(0.1)
+                assert _dropped(server) == 0  # three bursts, not one packet dropped
+                RacingCall.racer = Racer(per_s=1000)
+                flood = await RacingCall.open(url, "unused")
+                await flood.next_event("session.created", 10)
+                began = time.monotonic()
+                while flood.channel.readyState == "open" and time.monotonic() - began < 10:
+                    await asyncio.sleep(0.1)
+                print(f"\nflooding call ended after {time.monotonic() - began:.1f} s: {flood.racer.sent} packets sent")
+                assert flood.channel.readyState != "open"  # the server ended it
+                assert _dropped(server) > flood.racer.sent / 2  # most of them dropped unread
+                assert await eventually(lambda: _pool_has(server, free=len(server.pool.slots) - 2), 5)
+                # The others go on: the bursting call was not ended, and the calm one still has a turn.
+                assert bursty.channel.readyState == "open"
+                calm.speak(tone(440, 0.8) + silence(1.2))
+                done = await calm.next_event("response.done", 15)
+                assert done["response"]["status"] == "completed"
+            finally:
+                for call in (calm, bursty, flood):
+                    if call is not None:
+                        await call.close()
+
+    run(scenario())
+
+
+def _dropped(server: Any) -> float:
+    return float(server.metrics.media_dropped.get(transport="webrtc"))
+
+
+async def _pool_has(server: Any, free: int) -> bool:
+    return bool(server.pool.free == free)

@@ -213,7 +213,8 @@ class Calls:
         if isinstance(slot, Refusal):
             connections.metrics.rejections.inc(reason=slot.code)
             return api_error(HTTPStatus.SERVICE_UNAVAILABLE, slot.code, slot.text), False
-        call = Call(new_id("rtc"), self.configuration)
+        metrics = connections.metrics
+        call = Call(new_id("rtc"), self.configuration, lambda: metrics.media_dropped.inc(transport="webrtc"))
         call.secret = secret.value if secret is not None else None
         try:
             session = connections.new_session(

@@ -14,6 +14,7 @@ from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed, ConnectionClosedOK
 from websockets.http11 import Request
 
+from s2s_rt.budget import EventBudget, Flood
 from s2s_rt.config import Config, ConfigError, mib
 from s2s_rt.engines.base import CountsTokens, Stack
 from s2s_rt.metrics import Metrics
@@ -432,20 +433,17 @@ class Activity:
 class Refusals:
     """Events a connection had refused: when to tell it, and how long it has been flooding."""
 
-    __slots__ = ("flood_since", "last_notice", "last_refusal", "unreported")
+    __slots__ = ("flood", "last_notice", "unreported")
 
     def __init__(self) -> None:
         self.unreported = 0
         self.last_notice: float | None = None
-        self.last_refusal = 0.0
-        self.flood_since: float | None = None
+        self.flood = Flood()
 
     def refuse(self, now: float) -> int:
         """Count a refusal; returns how many to report now (0: not yet, one notice a second)."""
         self.unreported += 1
-        self.last_refusal = now
-        if self.flood_since is None:
-            self.flood_since = now
+        self.flood.refused(now)
         if self.last_notice is None or now - self.last_notice >= 1.0:
             n, self.unreported, self.last_notice = self.unreported, 0, now
             return n
@@ -455,46 +453,19 @@ class Refusals:
         """Count a refusal that needs nothing said or done now; False (not counted) if a notice or the close is due."""
         if self.last_notice is None or now - self.last_notice >= 1.0:
             return False
-        if self.flood_since is not None and now - self.flood_since >= close_after_s:
+        if self.flood.past(now, close_after_s):
             return False
         self.unreported += 1
-        self.last_refusal = now
-        if self.flood_since is None:
-            self.flood_since = now
+        self.flood.refused(now)
         return True
 
     def accepted(self, now: float) -> int:
         """Count an accepted event; returns refusals not yet reported that are due now (else 0)."""
-        # A second without refusals ends a flood; an event let through now and then does not.
-        if self.flood_since is not None and now - self.last_refusal >= 1.0:
-            self.flood_since = None
+        self.flood.accepted(now)
         if self.unreported and self.last_notice is not None and now - self.last_notice >= 1.0:
             n, self.unreported, self.last_notice = self.unreported, 0, now
             return n
         return 0
 
     def flooding_for(self, now: float) -> float:
-        return 0.0 if self.flood_since is None else now - self.flood_since
-
-
-class EventBudget:
-    """A token bucket: ``rate`` events per second on average, ``burst`` at once."""
-
-    def __init__(self, rate: float, burst: int) -> None:
-        self.rate = rate
-        self.burst = float(burst)
-        self.tokens = float(burst)
-        self.last: float | None = None
-
-    def give_back(self) -> None:
-        """Return the token of an event taken but not handled here (it will be taken again)."""
-        self.tokens = min(self.burst, self.tokens + 1.0)
-
-    def take(self, now: float) -> bool:
-        if self.last is not None:
-            self.tokens = min(self.burst, self.tokens + (now - self.last) * self.rate)
-        self.last = now
-        if self.tokens >= 1.0:
-            self.tokens -= 1.0
-            return True
-        return False
+        return self.flood.lasted(now)

@@ -45,6 +45,13 @@ aioice (aiortc's dependency: >=0.12,<1 for aiortc 1.16.0, >=0.10.1 for
   ``CONSENT_FAILURES``, read by ``Connection.query_consent`` each time it
   waits and counts: set process-wide
   (:func:`~s2s_rt.server.webrtc.check_consent_often`).
+- ``Connection.data_received(data, component)``, which its protocols call
+  with each datagram that is not STUN, and which puts it on the queue the
+  DTLS transport reads: wrapped per call to drop the media datagrams (SRTP
+  and SRTCP, first byte 128-191) past the call's budget before anything
+  parses them (:func:`guard_media`). aiortc takes media as fast as it comes.
+- ``RTCIceGatherer._connection`` (aiortc), the ``Connection`` a call's ICE
+  transport reads.
 - ``Connection.get_component_candidates`` binds each host candidate with
   ``asyncio.get_running_loop().create_datagram_endpoint(..., local_addr=(address, 0))``:
   the loop's method is wrapped to bind within ``media_ports``
@@ -83,6 +90,7 @@ import functools
 import importlib.metadata
 import logging
 import queue
+from collections.abc import Callable
 from typing import Any
 
 import aioice.ice
@@ -203,8 +211,8 @@ def _aiortc_allows(missing: str | None, otherwise: str) -> bool:
 
 
 @functools.cache
-def _said_once(why: str, otherwise: str) -> None:
-    log.error("%s; %s", gone("aiortc", why), otherwise)
+def _said_once(why: str, otherwise: str, package: str = "aiortc") -> None:
+    log.error("%s; %s", gone(package, why), otherwise)
 
 
 def binds_missing() -> str | None:
@@ -292,6 +300,35 @@ def guard_rtp(rtp_session: Any, allowed: Any) -> None:
                 inner(data, addr)
 
         setattr(transport, hook, guarded)
+
+
+def media_guard_missing(ice_transport: Any) -> str | None:
+    """Why :func:`guard_media` cannot wrap ``ice_transport``'s connection on the installed aioice; None: it can."""
+    connection = getattr(getattr(ice_transport, "iceGatherer", None), "_connection", None)
+    if not isinstance(connection, aioice.ice.Connection):
+        return "RTCIceGatherer._connection is not an aioice Connection"
+    if not names(aioice.ice.StunProtocol.datagram_received, "data_received"):
+        return "aioice.ice.StunProtocol.datagram_received does not call data_received"
+    return None
+
+
+def guard_media(ice_transport: Any, allowed: Callable[[], bool]) -> bool:
+    """Hand ``ice_transport``'s connection (an ``RTCIceTransport``'s) only the media datagrams that ``allowed()``
+    takes, and every other datagram; False, and an error in the log once, where aioice lacks what this wraps."""
+    missing = media_guard_missing(ice_transport)
+    if missing:
+        _said_once(missing, "a call's media is taken as fast as its caller sends it", "aioice")
+        return False
+    connection = ice_transport.iceGatherer._connection
+    inner = connection.data_received
+
+    def guarded(data: bytes, component: int) -> None:
+        if data and 127 < data[0] < 192 and not allowed():
+            return
+        inner(data, component)
+
+    connection.data_received = guarded
+    return True
 
 
 def close_rtp_sockets(rtp_session: Any) -> None:

@@ -14,6 +14,7 @@ import asyncio
 import ipaddress
 import logging
 import random
+from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any
 
@@ -22,6 +23,7 @@ from aiosipua.incoming_call import IncomingCall
 from websockets.exceptions import ConnectionClosed
 
 from s2s_rt.audio import AudioFormat
+from s2s_rt.budget import MEDIA_PACKETS_PER_S, PacketBudget
 from s2s_rt.protocol.session import Session
 from s2s_rt.server import internals
 from s2s_rt.server.playout import CallEnded, Playout
@@ -49,13 +51,18 @@ class PhoneCall:
         call_id: the id the webhook and the routes name (``rtc_…``).
         invite: the caller's INVITE, as the SIP library holds it.
         client: the caller's signalling address, for admission and logs.
+        dropped: called for each media datagram dropped past the call's budget (a metric's count).
     """
 
     heard_format = HEARD_FORMAT
     transport = "SIP"
 
-    def __init__(self, call_id: str, invite: IncomingCall, client: str) -> None:
+    def __init__(
+        self, call_id: str, invite: IncomingCall, client: str, dropped: Callable[[], None] = lambda: None
+    ) -> None:
         self.id = call_id
+        #: Called for each of the caller's media datagrams dropped past the call's budget.
+        self.dropped = dropped
         self.invite = invite
         self.client = client
         self.playback = Playout(RATE, FRAME_SAMPLES, HEARD_DELAY_MS)
@@ -78,6 +85,8 @@ class PhoneCall:
         self.last_packet_at: float | None = None
         #: Datagrams dropped because they came from another address than the caller's.
         self.strays = 0
+        #: The caller's datagrams past this budget are dropped before the library parses them.
+        self._media = PacketBudget.for_media()
         #: The addresses the caller's media may come from (its offers' and its INVITE's).
         self._callers: set[str] = set()
         #: The address the call's RTP binds (set when its media starts).
@@ -151,14 +160,23 @@ class PhoneCall:
         return media.sdp_answer
 
     def _from_caller(self, addr: Any) -> bool:
-        """Whether a datagram from ``addr`` is the caller's (counted, and the last one's time kept)."""
+        """Whether a datagram from ``addr`` is the caller's and within the call's media budget (counted, and the
+        last one's time kept); past the budget for :data:`~s2s_rt.budget.MEDIA_FLOOD_S`, the call is ended."""
         if addr[0] not in self._callers:
             self.strays += 1
             if self.strays == 1:
                 log.info("phone call %s: media from %s, not the caller (%s), dropped", self.id, addr[0], self._callers)
             return False
-        self.last_packet_at = asyncio.get_running_loop().time()
-        return True
+        now = self.last_packet_at = asyncio.get_running_loop().time()
+        if self._media.take(now):
+            return True
+        self.dropped()
+        if self._media.dropped == 1:
+            log.info("phone call %s: media past %g packets a second is dropped", self.id, MEDIA_PACKETS_PER_S)
+        if self._media.flooding(now) and not self.gone.is_set():
+            log.warning("phone call %s: %d media packets dropped; ending it", self.id, self._media.dropped)
+            self.end("flooded the call with media")
+        return False
 
     def renegotiate(self, offer: Any) -> Any:
         """A re-INVITE's offer (a session refresh, hold, a media address moved): the SDP answer, the media sent

@@ -163,7 +163,8 @@ class Phones:
 
     def _invited(self, invite: IncomingCall) -> None:
         host = invite.source_addr[0]
-        call = PhoneCall(new_id("rtc"), invite, host)
+        metrics = self.connections.metrics
+        call = PhoneCall(new_id("rtc"), invite, host, lambda: metrics.media_dropped.inc(transport="sip"))
         self.calls[call.id] = call
         self._by_dialog[invite.call_id] = call
         task = asyncio.get_running_loop().create_task(self._take(call), name=call.id)
