@@ -108,6 +108,8 @@ JITTER_BUFFER = "_RTCRtpReceiver__jitter_buffer"
 #: The queue the receiver puts each encoded frame on for its decoder thread, and that thread.
 DECODER_QUEUE = "_RTCRtpReceiver__decoder_queue"
 DECODER_THREAD = "_RTCRtpReceiver__decoder_thread"
+#: The aioice ``Connection`` an ``RTCIceGatherer`` keeps (the ICE transport's own connection).
+ICE_CONNECTION = "_connection"
 #: The versions whose source was read, by package (what a failed check's message names).
 CHECKED = {
     "websockets": "17.0 and 17.4",
@@ -304,7 +306,7 @@ def guard_rtp(rtp_session: Any, allowed: Any) -> None:
 
 def media_guard_missing(ice_transport: Any) -> str | None:
     """Why :func:`guard_media` cannot wrap ``ice_transport``'s connection on the installed aioice; None: it can."""
-    connection = getattr(getattr(ice_transport, "iceGatherer", None), "_connection", None)
+    connection = getattr(getattr(ice_transport, "iceGatherer", None), ICE_CONNECTION, None)
     if not isinstance(connection, aioice.ice.Connection):
         return "RTCIceGatherer._connection is not an aioice Connection"
     if not names(aioice.ice.StunProtocol.datagram_received, "data_received"):
@@ -319,7 +321,7 @@ def guard_media(ice_transport: Any, allowed: Callable[[], bool]) -> bool:
     if missing:
         _said_once(missing, "a call's media is taken as fast as its caller sends it", "aioice")
         return False
-    connection = ice_transport.iceGatherer._connection
+    connection = getattr(ice_transport.iceGatherer, ICE_CONNECTION)
     inner = connection.data_received
 
     def guarded(data: bytes, component: int) -> None:
