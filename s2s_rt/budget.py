@@ -14,6 +14,10 @@ it costs more than the count.
 from __future__ import annotations
 
 import asyncio
+import logging
+from collections.abc import Callable
+
+log = logging.getLogger(__name__)
 
 
 class ByteBudget:
@@ -117,23 +121,36 @@ class PacketBudget:
     """One call's media datagrams: at most ``rate`` a second on average, ``burst`` at once; the rest are dropped
     before anything parses them (SRTP, RTP, the jitter buffer, the decoder: far more work than the drop).
 
-    A caller whose datagrams were dropped without a second's pause for ``close_after_s`` is flooding
-    (:meth:`flooding`): a datagram let through now and then, as the budget refills, does not end that.
+    Each drop is counted (``dropped``); the first is logged. A caller whose datagrams were dropped without a
+    second's pause for ``close_after_s`` is flooding: ``end`` is told once, with why. A datagram let through now
+    and then, as the budget refills, does not end a flood.
+
+    Args:
+        call: what the log names (``call rtc_…``).
+        dropped: called for each datagram dropped (a metric's count).
+        end: ends the call.
     """
 
-    __slots__ = ("_bucket", "_flood", "close_after_s", "dropped")
+    __slots__ = ("_bucket", "_count", "_end", "_ended", "_flood", "call", "close_after_s", "dropped")
 
-    def __init__(self, rate: float, burst: int, close_after_s: float) -> None:
+    def __init__(
+        self,
+        call: str,
+        dropped: Callable[[], None],
+        end: Callable[[str], None],
+        *,
+        rate: float = MEDIA_PACKETS_PER_S,
+        burst: int = MEDIA_BURST,
+        close_after_s: float = MEDIA_FLOOD_S,
+    ) -> None:
+        self.call = call
+        self._count, self._end = dropped, end
         self._bucket = EventBudget(rate, burst)
         self.close_after_s = close_after_s
         #: Datagrams dropped so far.
         self.dropped = 0
         self._flood = Flood()
-
-    @classmethod
-    def for_media(cls) -> PacketBudget:
-        """A budget for one call's media (:data:`MEDIA_PACKETS_PER_S`, :data:`MEDIA_BURST`, :data:`MEDIA_FLOOD_S`)."""
-        return cls(MEDIA_PACKETS_PER_S, MEDIA_BURST, MEDIA_FLOOD_S)
+        self._ended = False
 
     def take(self, now: float) -> bool:
         """Whether a datagram arriving at ``now`` is let through (False: drop it)."""
@@ -141,9 +158,12 @@ class PacketBudget:
             self._flood.accepted(now)
             return True
         self.dropped += 1
+        self._count()
         self._flood.refused(now)
+        if self.dropped == 1:
+            log.info("%s: media past %g packets a second is dropped", self.call, self._bucket.rate)
+        if not self._ended and self._flood.past(now, self.close_after_s):
+            self._ended = True
+            log.warning("%s: %d media packets dropped; ending it", self.call, self.dropped)
+            self._end("flooded the call with media")
         return False
-
-    def flooding(self, now: float) -> bool:
-        """Whether datagrams have been dropped for ``close_after_s`` without a second's pause."""
-        return self._flood.past(now, self.close_after_s)

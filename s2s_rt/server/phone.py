@@ -23,7 +23,7 @@ from aiosipua.incoming_call import IncomingCall
 from websockets.exceptions import ConnectionClosed
 
 from s2s_rt.audio import AudioFormat
-from s2s_rt.budget import MEDIA_PACKETS_PER_S, PacketBudget
+from s2s_rt.budget import PacketBudget
 from s2s_rt.protocol.session import Session
 from s2s_rt.server import internals
 from s2s_rt.server.playout import CallEnded, Playout
@@ -61,8 +61,6 @@ class PhoneCall:
         self, call_id: str, invite: IncomingCall, client: str, dropped: Callable[[], None] = lambda: None
     ) -> None:
         self.id = call_id
-        #: Called for each of the caller's media datagrams dropped past the call's budget.
-        self.dropped = dropped
         self.invite = invite
         self.client = client
         self.playback = Playout(RATE, FRAME_SAMPLES, HEARD_DELAY_MS)
@@ -86,7 +84,7 @@ class PhoneCall:
         #: Datagrams dropped because they came from another address than the caller's.
         self.strays = 0
         #: The caller's datagrams past this budget are dropped before the library parses them.
-        self._media = PacketBudget.for_media()
+        self._media = PacketBudget(f"phone call {call_id}", dropped, self.end)
         #: The addresses the caller's media may come from (its offers' and its INVITE's).
         self._callers: set[str] = set()
         #: The address the call's RTP binds (set when its media starts).
@@ -167,16 +165,8 @@ class PhoneCall:
             if self.strays == 1:
                 log.info("phone call %s: media from %s, not the caller (%s), dropped", self.id, addr[0], self._callers)
             return False
-        now = self.last_packet_at = asyncio.get_running_loop().time()
-        if self._media.take(now):
-            return True
-        self.dropped()
-        if self._media.dropped == 1:
-            log.info("phone call %s: media past %g packets a second is dropped", self.id, MEDIA_PACKETS_PER_S)
-        if self._media.flooding(now) and not self.gone.is_set():
-            log.warning("phone call %s: %d media packets dropped; ending it", self.id, self._media.dropped)
-            self.end("flooded the call with media")
-        return False
+        self.last_packet_at = now = asyncio.get_running_loop().time()
+        return self._media.take(now)
 
     def renegotiate(self, offer: Any) -> Any:
         """A re-INVITE's offer (a session refresh, hold, a media address moved): the SDP answer, the media sent

@@ -33,7 +33,7 @@ from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCSession
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 from av import AudioFrame
 
-from s2s_rt.budget import MEDIA_PACKETS_PER_S, PacketBudget
+from s2s_rt.budget import PacketBudget
 from s2s_rt.pipeline.ports import EventTooLarge
 from s2s_rt.server import internals
 from s2s_rt.server.playout import CallEnded
@@ -92,8 +92,8 @@ class Call:
         self, call_id: str, configuration: RTCConfiguration, dropped: Callable[[], None] = lambda: None
     ) -> None:
         self.id = call_id
-        #: Called for each of the caller's media datagrams dropped past the call's budget.
-        self.dropped = dropped
+        #: The caller's media datagrams past this budget are dropped before aiortc reads them.
+        self._media = PacketBudget(f"call {call_id}", dropped, self.end)
         self.pc = RTCPeerConnection(configuration)
         self.playback = Playback()  # sends nothing while it has nothing to play
         self.channel: Any = None
@@ -177,26 +177,12 @@ class Call:
         aiortc takes every datagram it is sent (its ICE queue, SRTP, RTP, the jitter buffer: some 0.2 ms of the
         loop each): a caller sending 1,500 packets a second took a third of a core.
         """
-        budget = PacketBudget.for_media()
-        loop = asyncio.get_running_loop()
-
-        def allowed() -> bool:
-            now = loop.time()
-            if budget.take(now):
-                return True
-            self.dropped()
-            if budget.dropped == 1:
-                log.info("call %s: media past %g packets a second is dropped", self.id, MEDIA_PACKETS_PER_S)
-            if budget.flooding(now) and not self.gone.is_set():
-                log.warning("call %s: %d media packets dropped; ending it", self.id, budget.dropped)
-                self.end("flooded the call with media")
-            return False
-
+        loop, media = asyncio.get_running_loop(), self._media
         transports = {t.receiver.transport.transport for t in self.pc.getTransceivers() if t.receiver.transport}
         if self.pc.sctp is not None:
             transports.add(self.pc.sctp.transport.transport)
         for ice in transports:
-            internals.guard_media(ice, allowed)
+            internals.guard_media(ice, lambda: media.take(loop.time()))
 
     def end(self, why: str) -> None:
         """The call is over: nothing more is sent or heard; the peer connection closes in the background."""
