@@ -84,7 +84,11 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: All sessions' new audio is heard in one batch per tick, so a chunk waits at most this long for its batch.
     #: 10 ms holds more sessions, deciding sooner, than 20 ms did (BENCHMARKS.md, "How many sessions", "History").
     listen_tick_ms: float = 10.0
-    #: Most seconds of one session's audio heard per tick (100x real time at the defaults).
+    #: Hear (decode, resample, denoise, score) in a process of its own, with its own interpreter lock, where the
+    #: VAD can be built there (Silero on the CPU): the event loop's work no longer slows the VAD's thread.
+    hearing_process: bool = True
+    #: Most seconds of one session's audio heard per tick (100x real time at the defaults); at most
+    #: :data:`MAX_LISTEN_S_PER_TICK`.
     listen_s_per_tick: float = 1.0
     #: A session whose audio has waited this long to be heard is closed alone (``audio_backlog_exceeded``).
     max_audio_backlog_s: float = 5.0
@@ -259,8 +263,8 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ConfigError("semantic_min_silence_ms <= semantic_unknown_ms must be within 0..8000")
         if not 0 <= self.engine_nice <= 19:
             raise ConfigError(f"engine_nice must be 0..19, not {self.engine_nice}")
-        if not (self.listen_tick_ms > 0 and self.listen_s_per_tick > 0):
-            raise ConfigError("listen_tick_ms and listen_s_per_tick must be positive")
+        if not (self.listen_tick_ms > 0 and 0 < self.listen_s_per_tick <= MAX_LISTEN_S_PER_TICK):
+            raise ConfigError(f"listen_tick_ms must be positive, listen_s_per_tick within 0..{MAX_LISTEN_S_PER_TICK:g}")
         if not 0 < self.max_listening_load <= 1000:  # also refuses NaN
             raise ConfigError(
                 f"max_listening_load must be above 0 (a fraction of the time), not {self.max_listening_load}"
@@ -338,6 +342,9 @@ def port_range(text: str) -> range:
 
 
 ENV_PREFIX = "S2S_RT_"
+#: The most ``listen_s_per_tick`` may be: ten times that of one session's audio at 48 kHz (turn detection off) must
+#: fit one exchange with the hearing process (:data:`s2s_rt.listening.remote.IN_BYTES`).
+MAX_LISTEN_S_PER_TICK = 5.0
 
 
 def pairs(items: list[str]) -> dict[str, str]:

@@ -358,8 +358,9 @@ def test_an_append_that_is_not_utf8_closes_the_connection_as_any_such_frame_does
 
 
 def _hearing_measured(monkeypatch: pytest.MonkeyPatch, before: Callable[[list[Any]], None]) -> None:
-    """Each pass of hearing that admission measures calls ``before(batch)`` first (to slow it, count it, fail it)."""
-    from s2s_rt.listening import admission
+    """Each pass of hearing that admission measures calls ``before(batch)`` first (to slow it, count it, fail it):
+    the clock's hearing, for clocks made after this."""
+    from s2s_rt.listening import admission, clock
 
     real = admission.hear
 
@@ -368,6 +369,7 @@ def _hearing_measured(monkeypatch: pytest.MonkeyPatch, before: Callable[[list[An
         return real(vad, batch)
 
     monkeypatch.setattr(admission, "hear", hear)
+    monkeypatch.setattr(clock, "hear", hear)
 
 
 @contextlib.asynccontextmanager

@@ -28,8 +28,36 @@ class ProcSample:
     main_wait_s: float = 0.0
 
 
-def read_proc(pid: int) -> ProcSample | None:
-    """CPU seconds (user+system, all threads), RSS and peak RSS of ``pid``; None if unreadable."""
+def read_proc(pid: int, children: bool = True) -> ProcSample | None:
+    """CPU seconds (user+system, all threads), RSS and peak RSS of ``pid``; None if unreadable.
+
+    With ``children``, those of its child processes are added (the server's hearing process is part of the
+    server: :mod:`s2s_rt.listening.remote`); the main thread's figures are the parent's alone.
+    """
+    sample = _read_one(pid)
+    if sample is None or not children:
+        return sample
+    for child in _children(pid):
+        more = _read_one(child)
+        if more is not None:
+            sample.cpu_s += more.cpu_s
+            sample.rss_mb += more.rss_mb
+            sample.hwm_mb += more.hwm_mb
+            sample.threads += more.threads
+    return sample
+
+
+def _children(pid: int) -> list[int]:
+    """The live child processes of ``pid`` (started by any of its threads)."""
+    found: list[int] = []
+    with contextlib.suppress(OSError):
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(OSError, ValueError):
+                found += [int(p) for p in (task / "children").read_text().split()]
+    return found
+
+
+def _read_one(pid: int) -> ProcSample | None:
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
         status = Path(f"/proc/{pid}/status").read_text()
@@ -69,13 +97,13 @@ class Usage:
         self.server = server
         self.t0 = time.perf_counter()
         self.machine0 = machine_busy_s()
-        self.client0 = read_proc(os.getpid())
+        self.client0 = read_proc(os.getpid(), children=False)
         self.server0 = server()
 
     def figures(self) -> dict[str, Any]:
         seconds = time.perf_counter() - self.t0
         machine = (machine_busy_s() - self.machine0) / seconds
-        client1, server1 = read_proc(os.getpid()), self.server()
+        client1, server1 = read_proc(os.getpid(), children=False), self.server()
         out: dict[str, Any] = {"machine_cores_busy": machine}
         if self.client0 and client1:
             out["client_cores_busy"] = (client1.cpu_s - self.client0.cpu_s) / seconds

@@ -20,6 +20,7 @@ scores moves by that constant and nothing else.
 from __future__ import annotations
 
 import ctypes
+import functools
 import importlib.util
 from pathlib import Path
 
@@ -146,6 +147,10 @@ class LazyRNNoise:
 
     def describe(self) -> str:
         return f"noise reduction: RNNoise ({self.path.name}, loaded when a session first asks for it)"
+
+    def hearing_recipe(self) -> functools.partial[LazyRNNoise]:
+        """How to build it again in the hearing process (:mod:`s2s_rt.listening.remote`)."""
+        return functools.partial(LazyRNNoise)
 
     def denoiser(self) -> Denoiser:
         if self._loaded is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import weakref
@@ -150,6 +151,13 @@ class SileroVAD:
             log.warning("VAD: ONNX Runtime alone (the batched forward pass differs by %.2g)", worst)
             return None
         return forward
+
+    def hearing_recipe(self) -> functools.partial[SileroVAD] | None:
+        """How to build this VAD again in the hearing process (:mod:`s2s_rt.listening.remote`): on the CPU only
+        (a GPU's memory and streams stay with the one process that owns them); None elsewhere."""
+        if self.providers != [CPU_PROVIDER]:
+            return None
+        return functools.partial(SileroVAD, self.model_path, batched_forward=self._forward is not None)
 
     def describe(self) -> str:
         """One line for the start-up log."""

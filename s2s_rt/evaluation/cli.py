@@ -235,7 +235,7 @@ def _answer_one(args: argparse.Namespace) -> int:
         tts_threads=config.tts_threads,
         llm_temperature_scale=temperature_scale,
     )
-    loaded = read_proc(os.getpid())
+    loaded = read_proc(os.getpid(), children=False)
     session = SessionConfig()
     instructions = session.instructions if args.instructions is None else args.instructions
     assistant = Assistant(
@@ -294,7 +294,7 @@ def _answer_one(args: argparse.Namespace) -> int:
             then = f" -> {answer.calls or answer.text!r}" if answer is not None else ""
             mark = "+ " if row.get("round_trip_right", row["right"]) else "- "
             print(mark + f"{request.text} => {said!r}{then}", flush=True)
-    finished = read_proc(os.getpid())
+    finished = read_proc(os.getpid(), children=False)
     result = {
         "preset": preset,
         "llm": str(llm_dir),

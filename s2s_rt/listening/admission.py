@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 from s2s_rt.audio import AudioFormat
 from s2s_rt.engines.base import PIPELINE_RATE, VAD
 from s2s_rt.inference import StagePool
-from s2s_rt.listening.hearing import AudioBytes, SessionAudio, hear, timed
+from s2s_rt.listening.hearing import AudioBytes, Hearing, SessionAudio, hear, timed
 from s2s_rt.scope import Scope
 
 #: Hearing a session costs the clock about this many times more while sessions stream than
@@ -82,7 +83,14 @@ class ListeningCost:
         return (max(0.0, self._busy) + self.prior * self.prior_weight_s) / (self._heard + self.prior_weight_s)
 
 
-async def calibrate(vad: VAD, pool: StagePool, tick_s: float, sessions: int = 64, windows: int = 4) -> ListeningCost:
+async def calibrate(
+    vad: VAD,
+    pool: StagePool,
+    tick_s: float,
+    sessions: int = 64,
+    windows: int = 4,
+    hearing: Hearing | None = None,
+) -> ListeningCost:
     """Measure what hearing costs before any session has been heard.
 
     Synthetic sessions of silence at 24 kHz, first one and then
@@ -90,7 +98,9 @@ async def calibrate(vad: VAD, pool: StagePool, tick_s: float, sessions: int = 64
     ticks would, until each has had ``windows`` VAD windows. The two
     give the fixed part per tick and the first cost per second of
     audio (times :data:`CONTENTION`); real ticks then replace the latter.
+    ``hearing`` is how the clock hears (:func:`hear` with ``vad`` when None).
     """
+    hearing = hearing or functools.partial(hear, vad)
     fmt = AudioFormat()
     per_tick = int(fmt.rate * tick_s)
     ticks = -(-windows * vad.chunk_samples * fmt.rate // PIPELINE_RATE // per_tick)
@@ -104,7 +114,7 @@ async def calibrate(vad: VAD, pool: StagePool, tick_s: float, sessions: int = 64
         spent = 0.0
         for _ in range(ticks):
             batch = [(audio, [AudioBytes(scope, data, fmt)], True) for audio in states]
-            spent += (await pool.call(timed, hear, vad, batch))[1]
+            spent += (await pool.call(timed, hearing, batch))[1]
         took[n] = min(took[n], spent / ticks)
     per_session = max(0.0, took[sessions] - took[1]) / (sessions - 1)
     return ListeningCost(prior=CONTENTION * per_session / tick_s, overhead_s=max(0.0, took[1] - per_session))

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import math
 import time
@@ -29,7 +30,7 @@ from s2s_rt.config import DEFAULTS
 from s2s_rt.engines.base import VAD
 from s2s_rt.inference import StagePool
 from s2s_rt.listening.admission import ListeningCost, calibrate
-from s2s_rt.listening.hearing import NOTHING, AudioBytes, EngineUnavailable, Heard, SessionAudio, hear, timed
+from s2s_rt.listening.hearing import NOTHING, AudioBytes, EngineUnavailable, Heard, Hearing, SessionAudio, hear, timed
 from s2s_rt.metrics import Metrics
 from s2s_rt.scope import Scope
 
@@ -73,6 +74,8 @@ class ListeningClock:
         vad: the shared VAD engine.
         pool: the VAD executor.
         metrics: where counts go.
+        hearing: how a batch is heard (:func:`hear` with ``vad`` in this process when None; the server sets the
+            hearing process, :mod:`.remote`, before it calibrates).
         tick_s: how long audio may wait for the next batch (a batch starts at
             once when the clock has been idle that long).
         listen_s_per_tick: most seconds of one session's audio in one batch.
@@ -88,6 +91,7 @@ class ListeningClock:
         vad: VAD,
         pool: StagePool,
         metrics: Metrics,
+        hearing: Hearing | None = None,
         *,
         tick_s: float = DEFAULTS.listen_tick_ms / 1000,
         listen_s_per_tick: float = DEFAULTS.listen_s_per_tick,
@@ -96,6 +100,8 @@ class ListeningClock:
         max_load: float = DEFAULTS.max_listening_load,
     ) -> None:
         self.vad = vad
+        #: How a batch is heard: :func:`hear` with ``vad`` here, or in the hearing process.
+        self.hearing: Hearing = hearing or functools.partial(hear, vad)
         self.pool = pool
         self.metrics = metrics
         self.tick_s = tick_s
@@ -144,7 +150,7 @@ class ListeningClock:
 
     async def calibrate(self, sessions: int = 64, windows: int = 4) -> ListeningCost:
         """Measure what hearing costs before any session has been heard (see :func:`.admission.calibrate`)."""
-        cost = await calibrate(self.vad, self.pool, self.tick_s, sessions, windows)
+        cost = await calibrate(self.vad, self.pool, self.tick_s, sessions, windows, self.hearing)
         cost.window_s = self.cost.window_s
         self.cost = cost
         self._measured.append(cost)
@@ -170,7 +176,7 @@ class ListeningClock:
                 continue  # measuring would take time from the sessions; the ticks measure meanwhile
             before = self.capacity()
             try:
-                self._measured.append(await calibrate(self.vad, self.pool, self.tick_s))
+                self._measured.append(await calibrate(self.vad, self.pool, self.tick_s, hearing=self.hearing))
             except Exception as exc:
                 # Not a failure of the server: the measurements it has stand (a failing VAD is the sessions'
                 # to report), and the next minute measures again.
@@ -258,7 +264,7 @@ class ListeningClock:
         batch = [(audio, segments, audio.scoring) for _, audio, segments in work if segments]
         before = time.perf_counter()
         try:
-            heard, hearing_s = await self.pool.call(timed, hear, self.vad, batch) if batch else ([], 0.0)
+            heard, hearing_s = await self.pool.call(timed, self.hearing, batch) if batch else ([], 0.0)
         except Exception as exc:
             # The engine call as a whole failed (timed out, or its executor broke): no session caused it
             # alone, so each is told and goes on; what the batch held is not heard.

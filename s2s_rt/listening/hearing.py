@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -56,6 +57,9 @@ class AudioBytes:
         )
 
 
+_KEYS = itertools.count()
+
+
 class SessionAudio:
     """One session's audio on its way to the VAD: its inbox and the budget of bytes waiting in it.
 
@@ -83,6 +87,8 @@ class SessionAudio:
         max_waiting_bytes: int | None = None,
     ) -> None:
         self.scope = scope
+        #: This session's audio among all, for the hearing process (which keeps its state by it).
+        self.key = next(_KEYS)
         self.vad_state = vad_state
         #: Raw audio and commands in arrival order, waiting for the clock.
         self._inbox: collections.deque[Any] = collections.deque()
@@ -239,7 +245,13 @@ def timed(fn: Callable[..., T], *args: Any) -> tuple[T, float]:
     return result, time.perf_counter() - start
 
 
-def hear(vad: VAD, work: Sequence[tuple[SessionAudio, list[AudioBytes], bool]]) -> list[Heard]:
+#: One batch: each session's audio, the segments taken from its inbox, and whether the VAD scores them.
+Work = Sequence[tuple[SessionAudio, list[AudioBytes], bool]]
+#: How the clock hears a batch: :func:`hear` with a VAD, or :class:`~s2s_rt.listening.remote.HearingProcess`.
+Hearing = Callable[[Work], list[Heard]]
+
+
+def hear(vad: VAD, work: Work) -> list[Heard]:
     """Decode, resample and score every session's new audio (runs in the VAD worker thread).
 
     The work is done for groups of sessions, not one by one: sessions whose

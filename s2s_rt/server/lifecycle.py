@@ -30,6 +30,7 @@ from s2s_rt.config import DEFAULT_SPECULATE_AFTER_MS, Config, mib
 from s2s_rt.engines.base import KeepsPrefixes, Stack
 from s2s_rt.inference import StagePool
 from s2s_rt.listening.clock import ListeningClock
+from s2s_rt.listening.remote import hearing_for
 from s2s_rt.metrics import Metrics
 from s2s_rt.server.calls import Calls
 from s2s_rt.server.connection import Connections
@@ -204,7 +205,12 @@ class Server:
         phones = self.phones = Phones(cfg, connections) if cfg.sip_port is not None else None
         routes = Routes(cfg, self.metrics, self, self.pool, self.stack, connections, calls, phones)
         tasks: list[asyncio.Task[Any]] = []
+        hearing_process = None
         try:
+            # The clock hears in a process of its own where the stack's VAD can be built there again.
+            clock.hearing, hearing_process = await asyncio.to_thread(
+                hearing_for, self.stack.vad, self.stack.noise, cfg.hearing_process, cfg.vad_timeout_s * 0.8
+            )
             cost = await clock.calibrate()
             log.info(
                 "hearing costs %.0f µs per tick and %.2f ms per second of a session's audio (measured at start;"
@@ -274,6 +280,8 @@ class Server:
         finally:
             for pool in self.pools.values():
                 pool.shutdown()
+            if hearing_process is not None:
+                hearing_process.close()
             if self._froze:
                 # Frozen, this server and its engines would outlive it, closed or failed to start: a process
                 # that starts another (a test, an application embedding servers) would keep every stack.
