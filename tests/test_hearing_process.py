@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 from conftest import RealtimeClient, live_server, run, tone
+from test_hearing import PCM24, ULAW, _speechlike
 
 from s2s_rt.audio import AudioFormat
 from s2s_rt.engines.fake import load_fake_stack
@@ -26,9 +27,7 @@ from s2s_rt.listening.remote import IN_BYTES, ChildFailed, HearingProcess, heari
 from s2s_rt.models.recipes import _SILERO
 from s2s_rt.scope import Scope
 
-PCM24 = AudioFormat("audio/pcm", 24_000)
 PCM48 = AudioFormat("audio/pcm", 48_000)
-ULAW = AudioFormat("audio/pcmu", 8_000)
 
 
 @pytest.fixture(scope="module")
@@ -51,16 +50,6 @@ def process(vad: SileroVAD) -> Iterator[HearingProcess]:
     started.close()
 
 
-def _speech(rng: np.random.Generator, seconds: float, rate: int) -> np.ndarray:
-    """Voiced bursts and quiet (as in test_hearing), so the VAD's scores move with each session's state."""
-    n = int(seconds * rate)
-    t = np.arange(n) / rate
-    pulses = np.sign(np.sin(2 * np.pi * rng.uniform(100, 220) * t)) * 0.5
-    voiced = sum(np.sin(2 * np.pi * f * t) * pulses for f in (rng.uniform(500, 800), rng.uniform(1000, 1600)))
-    envelope = (np.sin(2 * np.pi * 0.8 * t + rng.uniform(0, 6)) > 0).astype(np.float32)
-    return (voiced * 0.3 * envelope + rng.standard_normal(n) * 0.01).astype(np.float32)
-
-
 def _twins(vad: SileroVAD, formats: list[AudioFormat]) -> tuple[list[SessionAudio], list[SessionAudio]]:
     scope = Scope("test")
     return (
@@ -78,7 +67,7 @@ def test_the_process_hears_what_the_server_would_hear_itself(vad: SileroVAD, pro
     noise = _noise()
     if noise is not None:
         there[7].denoiser, here[7].denoiser = noise.denoiser(), noise.denoiser()
-    streams = [fmt.encode(_speech(rng, 2.0, fmt.rate)) for fmt in formats]
+    streams = [fmt.encode(_speechlike(rng, 2.0, fmt.rate)) for fmt in formats]
     step = [fmt.bytes_per_sample * fmt.rate // 50 for fmt in formats]  # 20 ms appends
     scope = Scope("test")
     moved = 0.0
@@ -87,7 +76,7 @@ def test_the_process_hears_what_the_server_would_hear_itself(vad: SileroVAD, pro
         for i, fmt in enumerate(formats):
             pieces = [streams[i][(tick * 2 + k) * step[i] : (tick * 2 + k + 1) * step[i]] for k in range(1 + i % 2)]
             if i == 0 and tick == 15:
-                pieces.append(PCM48.encode(_speech(rng, 0.05, 48_000)))
+                pieces.append(PCM48.encode(_speechlike(rng, 0.05, 48_000)))
             segments = [AudioBytes(scope, p, PCM48 if i == 0 and k == 2 else fmt) for k, p in enumerate(pieces)]
             scored = i != 6
             work_there.append((there[i], segments, scored))
@@ -108,7 +97,7 @@ def test_a_batch_larger_than_the_shared_memory_is_heard_in_parts(vad: SileroVAD,
     rng = np.random.default_rng(4)
     there, here = _twins(vad, [PCM48] * 100)
     scope = Scope("test")
-    data = [PCM48.encode(_speech(rng, 1.0, 48_000)) for _ in range(100)]
+    data = [PCM48.encode(_speechlike(rng, 1.0, 48_000)) for _ in range(100)]
     assert sum(len(d) for d in data) > IN_BYTES
     got = process([(s, [AudioBytes(scope, d, PCM48)], True) for s, d in zip(there, data, strict=True)])
     expected = hear(vad, [(s, [AudioBytes(scope, d, PCM48)], True) for s, d in zip(here, data, strict=True)])
