@@ -293,6 +293,8 @@ class Caller:
     #: The server's SIP port (a request the server sends is answered there).
     sip_port: int
     sock: socket.socket = field(init=False)
+    #: The CSeq of an in-dialog request sent out of order (a 500 to it is RFC 3261's answer); None: none is.
+    out_of_order: list[str] | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -327,8 +329,12 @@ class Caller:
             first = text.split("\r\n", 1)[0]
             if first.startswith("SIP/2.0 "):
                 self.run.report.stats[f"sip answered {first[8:11]}"] += 1
-                if first[8:11] == "500":
+                if first[8:11] == "500" and not (
+                    self.out_of_order is not None and _header(text, "cseq") == self.out_of_order
+                ):
                     self.run.find_with(f"the server answered {first!r}", list(self.run.sent_log)[-6:])
+                elif first[8:11] == "500":
+                    self.run.report.stats["sip answered 500 to a CSeq out of order (RFC 3261 12.2.2)"] += 1
             elif first.split(" ", 1)[0] in ("BYE", "REFER", "NOTIFY", "OPTIONS"):
                 self.run.report.stats[f"sip server sent {first.split(' ', 1)[0]}"] += 1
                 with contextlib.suppress(OSError):
@@ -476,6 +482,11 @@ async def _call(run: SurfaceRun, rng: random.Random, caller: Caller, sip_port: i
         again = re.sub(r"(?m)^From: .*$", lambda _: sender, again)
         raw = again.encode("utf-8", "surrogatepass")[:65000]
         caller.record(f"reinvite: {what}", raw)
+        # A CSeq not above the dialog's (1, the INVITE's; a mutation may cut or garble it) is out of order: RFC 3261
+        # 12.2.2 has it refused with a 500, which is then the right answer, not a fault.
+        cseq = _header(again, "cseq")
+        number = cseq[0].split(" ", 1)[0] if cseq else ""
+        caller.out_of_order = cseq if not (number.isdigit() and int(number) > 1) else None
         with contextlib.suppress(OSError):
             caller.sock.sendto(raw, ("127.0.0.1", sip_port))
         for message in await caller.receive(rng.uniform(0.3, 2.0)):
