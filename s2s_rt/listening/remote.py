@@ -23,6 +23,7 @@ end (its pipe closes).
 
 from __future__ import annotations
 
+import functools
 import logging
 import mmap
 import os
@@ -399,15 +400,14 @@ def hearing_for(
     child (its ``hearing_recipe`` gives how), else :func:`hear` in this process; and the process, to close at the
     end (None: none). Blocks while the child loads its models."""
 
-    def local(work: Work) -> list[Heard]:
-        return hear(vad, work)
-
+    local: Hearing = functools.partial(hear, vad)
     recipe = getattr(vad, "hearing_recipe", None)
-    if not enabled or recipe is None or recipe() is None:
+    made = recipe() if enabled and recipe is not None else None
+    if made is None:
         return local, None
     noise_recipe = getattr(noise, "hearing_recipe", None) if noise is not None else None
     process = HearingProcess(
-        recipe(), noise_recipe() if noise_recipe else None, local, vad.chunk_samples, reply_timeout_s=reply_timeout_s
+        made, noise_recipe() if noise_recipe else None, local, vad.chunk_samples, reply_timeout_s=reply_timeout_s
     )
     try:
         process.start()
