@@ -127,6 +127,33 @@ def test_a_spoken_turn_over_webrtc_arrives_as_events_on_the_data_channel_and_aud
     run(scenario())
 
 
+def test_a_receiver_that_holds_packets_before_it_plays_hears_the_whole_answer_before_the_next() -> None:
+    """aiortc's receiver (this client's) plays a packet only once 4 more have come. The server sends nothing
+    between answers, so its answer's talkspurt ends with frames of silence that push the last word out: without
+    them, the end of every answer would wait for the next answer's packets."""
+
+    async def scenario() -> None:
+        async with live_server() as server:
+            call = await CallClient.open(base_url(server), "unused")
+            try:
+                await call.next_event("session.created")
+                spoken_until, done = await spoken_turn(call)
+                await asyncio.sleep(0.5)
+                words = done["response"]["output"][0]["content"][0]["transcript"].split()
+                # The fake voice says each word as a 100 ms tone and 20 ms of silence: 10 ms windows, loud or not.
+                heard = call.heard_between(spoken_until).astype(np.float32) / 32768.0
+                windows = heard[: len(heard) // 480 * 480].reshape(-1, 480)
+                loud = "".join("1" if w > 0.05 else "0" for w in np.sqrt((windows**2).mean(axis=1)))
+                tones = [len(run) for run in loud.split("0") if run]
+                assert len(tones) == len(words), loud
+                assert tones[-1] >= min(tones[:-1]), loud  # the last word whole, as the others
+                assert loud.endswith("0"), loud  # and after it, silence: the answer's end was heard
+            finally:
+                await call.close()
+
+    run(scenario())
+
+
 def test_barge_in_over_webrtc_truncates_the_item_at_what_was_played_and_clears_the_buffer() -> None:
     async def scenario() -> None:
         async with live_server() as server:

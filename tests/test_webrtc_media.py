@@ -17,6 +17,7 @@ from conftest import eventually, live_server, run, silence, tone
 
 from s2s_rt.audio import AudioFormat
 from s2s_rt.bench.call import CallClient
+from s2s_rt.server.playout import HANGOVER_FRAMES, LEAD_FRAMES
 from s2s_rt.server.webrtc_audio import OPUS_FRAME, OPUS_TIME_BASE, Hearing, Playback
 
 OPUS = RTCRtpCodecParameters(mimeType="audio/opus", clockRate=48000, channels=2, payloadType=111)
@@ -48,16 +49,25 @@ def test_the_servers_track_sends_nothing_while_silent_and_its_rtp_time_runs_on()
         # Nothing to play: no packet comes.
         nothing, _ = await timed_recv(track, 0.4)
         assert nothing is None
-        # Audio is queued: its first packet goes at once, stamped with the time that has passed.
+        # Audio is queued: its first packets go at once, stamped with the time that has passed.
         t0 = time.monotonic()
-        track.play("resp_1", "item_1", tone(440, 0.2), SAY)
+        track.play("resp_1", "item_1", tone(440, 0.2), SAY)  # 10 frames
         track.finish("resp_1")
-        talk = [p for p in [await track.recv() for _ in range(10)]]
-        took = time.monotonic() - t0
+        talk, at = [], []
+        for _ in range(10 + HANGOVER_FRAMES):
+            talk.append(await track.recv())
+            at.append(time.monotonic() - t0)
         assert talk[0].pts % OPUS_FRAME == 0 and talk[0].pts >= OPUS_FRAME * 20  # 0.4 s and more had passed
-        assert [p.pts - talk[0].pts for p in talk] == [OPUS_FRAME * i for i in range(10)]
-        assert 0.15 <= took <= 0.5  # paced: 10 frames of 20 ms, the first at once
+        assert [p.pts - talk[0].pts for p in talk] == [OPUS_FRAME * i for i in range(len(talk))]
+        # The first LEAD_FRAMES + 1 at once, for a receiver that holds that many before it plays; then one
+        # every 20 ms, that many ahead of real time.
+        assert at[LEAD_FRAMES] < 0.015, at
+        for i in range(LEAD_FRAMES + 1, len(at)):
+            assert at[i] >= (i - LEAD_FRAMES) * 0.02 - 0.002, (i, at)
+        assert at[-1] < (len(at) - LEAD_FRAMES) * 0.02 + 0.2, at
         assert np.abs(decoded(talk[5])).max() > 1000  # the tone, not silence
+        # The talkspurt ends with frames of silence, which push the tone's last frames out of such a buffer.
+        assert all(np.abs(decoded(p)).max() < 50 for p in talk[-3:])
         # Once it has all played, the track falls silent again; stopped, its waiting sender ends.
         waiting = asyncio.ensure_future(track.recv())
         await asyncio.sleep(0.3)

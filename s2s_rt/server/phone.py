@@ -26,7 +26,7 @@ from s2s_rt.audio import AudioFormat
 from s2s_rt.budget import PacketBudget
 from s2s_rt.protocol.session import Session
 from s2s_rt.server import internals
-from s2s_rt.server.playout import CallEnded, Playout
+from s2s_rt.server.playout import LEAD_FRAMES, CallEnded, Pacer, Playout
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,8 @@ RATE = 8_000
 FRAME_SAMPLES = RATE // 50
 CODECS = [0, 8]
 HEARD_FORMAT = AudioFormat("audio/pcm", RATE)
-#: A phone plays what it is sent this much later (its jitter buffer): that much of what was played is unheard.
+#: A phone plays what it is sent this much later (its jitter buffer): that much of what was played is unheard,
+#: and what went ahead of real time (:data:`~s2s_rt.server.playout.LEAD_FRAMES`).
 HEARD_DELAY_MS = 60.0
 #: Events the application's WebSocket may have sent and the session not yet read before the call ends.
 MAX_WAITING_EVENTS = 4096
@@ -63,7 +64,8 @@ class PhoneCall:
         self.id = call_id
         self.invite = invite
         self.client = client
-        self.playback = Playout(RATE, FRAME_SAMPLES, HEARD_DELAY_MS)
+        self.playback = Playout(RATE, FRAME_SAMPLES, HEARD_DELAY_MS + LEAD_FRAMES * 20)
+        self.pacer = Pacer(self.playback)
         self.media: CallSession | None = None
         self.inbox: asyncio.Queue[str | bytes | None] = asyncio.Queue()
         #: The application's answer while the call rings: the session it accepted with, or a status.
@@ -207,39 +209,24 @@ class PhoneCall:
             keypad(digit)
 
     async def _send_audio(self, media: CallSession, media_timeout_s: float) -> None:
-        """Every 20 ms, the next frame of what the session plays, while there is one; while there is none, it
-        sleeps until audio is queued (nothing is sent, and nothing wakes every 20 ms). The call ends when its
-        caller has sent nothing for ``media_timeout_s``."""
+        """Each frame of what the session plays, when the :class:`~s2s_rt.server.playout.Pacer` says it is due;
+        between answers nothing is sent, and nothing wakes every 20 ms. The call ends when its caller has sent
+        nothing for ``media_timeout_s``."""
         loop = asyncio.get_running_loop()
-        answered = start = loop.time()
-        ticks = 0
-        playback = self.playback
+        answered = loop.time()
+        pacer = self.pacer
+        pacer.start()
         while not self.gone.is_set():
-            if playback.idle:
-                left = (self.last_packet_at or answered) + media_timeout_s - loop.time()
-                if left <= 0:
-                    self.end(f"no media from the caller for {media_timeout_s:g} s")
-                    return
-                playback.queued.clear()
-                try:
-                    await asyncio.wait_for(playback.queued.wait(), left)
-                except TimeoutError:
-                    continue
-                start, ticks = loop.time(), 0  # a talkspurt begins: its first frame goes now
-            else:
-                ticks += 1
-                wait = start + ticks * 0.02 - loop.time()
-                if wait > 0:
-                    await asyncio.sleep(wait)
-                elif wait < -0.2:
-                    start, ticks = loop.time(), 0  # the loop fell behind: count again rather than send a burst
-            if playback.idle:
+            left = (self.last_packet_at or answered) + media_timeout_s - loop.time()
+            if left <= 0:
+                self.end(f"no media from the caller for {media_timeout_s:g} s")
+                return
+            frame = await pacer.next(left)
+            if frame is None:
                 continue
-            frame = playback.next_frame()
-            # RTP time runs on through the silences: each talkspurt's frames from when it began.
-            stamp = (round((start - answered) / 0.02) + ticks) * FRAME_SAMPLES
             try:
-                media.send_audio_pcm(frame.tobytes(), stamp & 0xFFFFFFFF)
+                # RTP time runs on through the silences.
+                media.send_audio_pcm(frame.tobytes(), (pacer.index * FRAME_SAMPLES) & 0xFFFFFFFF)
             except (OSError, ValueError) as exc:
                 self.end(f"its audio could not be sent: {exc!r}")
                 return

@@ -4,15 +4,16 @@ A call's transport plays its answers itself (the session's audio deltas are
 not sent as events), so it knows what was heard: :class:`Playout` keeps the
 audio queued per response, hands it out a frame at a time, tells the session
 when a response's audio starts and stops playing, and on barge-in clears
-what has not played and says where the item was cut. The transport only paces
-the frames (aiortc's track asks for one every 20 ms; a phone call's sender
-sends one every 20 ms) and encodes them.
+what has not played and says where the item was cut. :class:`Pacer` says when
+each frame goes, for both transports; the transport only encodes and sends it
+(aiortc's track when aiortc asks for it, a phone call's sender on its own).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -21,6 +22,18 @@ import numpy.typing as npt
 from websockets.exceptions import ConnectionClosed
 
 from s2s_rt.audio import AudioFormat, resample
+
+#: How far ahead of real time a talkspurt's frames go: its first ``LEAD_FRAMES + 1`` at once, then each
+#: this many frames before its time. A receiver whose jitter buffer holds packets before it plays one
+#: (aiortc's holds 4, a phone's fixed buffer its depth) plays the first at once rather than 80 ms later,
+#: and a late tick of a busy loop is covered by what went ahead, not heard as a gap.
+LEAD_FRAMES = 4
+#: Frames of silence that end a talkspurt, so that a receiver holding ``LEAD_FRAMES`` packets plays the end
+#: of the answer now, not when the next answer's packets push it out (and a browser conceals the gap that
+#: follows from silence, not from the last word).
+HANGOVER_FRAMES = LEAD_FRAMES + 1
+#: The pacing fell this far behind (the loop stalled): it goes on from now rather than send a burst.
+STALL_S = 0.2
 
 
 class CallEnded(ConnectionClosed):
@@ -156,3 +169,72 @@ class Playout:
         self._finished.discard(response_id)
         self.playing = None
         self.notify("stopped", response_id)
+
+
+class Pacer:
+    """When each 20 ms frame of a :class:`Playout` goes, for a transport that sends only while there is audio.
+
+    A talkspurt begins when audio is queued after a silence: its first frame goes at once, and its frames
+    go ``lead`` frames ahead of real time (:data:`LEAD_FRAMES`). It ends ``hangover`` frames of silence
+    after its last audio (:data:`HANGOVER_FRAMES`); then nothing is sent, and nothing wakes, until audio
+    is queued again. :attr:`index` counts 20 ms frames since the call's first, through the silences, and
+    never goes back: it is the frame's RTP time, in frames. ``hangover=None`` sends every 20 ms, silence
+    or not (a microphone).
+    """
+
+    def __init__(self, playout: Playout, lead: int = LEAD_FRAMES, hangover: int | None = HANGOVER_FRAMES) -> None:
+        self.playout = playout
+        self.lead = lead
+        self.hangover = hangover
+        frame_s = playout.frame_samples / playout.rate
+        self.frame_s = frame_s
+        #: The frame being sent, counted since the call's first (at :attr:`origin`).
+        self.index = -1
+        self.origin: float | None = None
+        #: When the talkspurt began, and the index of its first frame.
+        self._began = 0.0
+        self._first = 0
+        #: Whether a talkspurt is being sent, and how many frames of silence it has still to send.
+        self._spurt = False
+        self._trail = 0
+
+    def start(self) -> None:
+        """The call's RTP time begins now, and its first frame waits for audio. Without it, the first
+        :meth:`next` sends a frame of silence at once, and RTP time begins with it."""
+        self.origin = time.monotonic()
+
+    async def next(self, idle_timeout: float | None = None) -> npt.NDArray[np.int16] | None:
+        """The next frame, once it is due (its index in :attr:`index`); None when nothing was queued within
+        ``idle_timeout`` s of silence (None: however long)."""
+        playout = self.playout
+        if not self._spurt:
+            if self.origin is not None and playout.idle:
+                playout.queued.clear()
+                try:
+                    await asyncio.wait_for(playout.queued.wait(), idle_timeout)
+                except TimeoutError:
+                    return None
+            self._begin(time.monotonic())
+        else:
+            self.index += 1
+            now = time.monotonic()
+            wait = self._began + (self.index - self._first - self.lead) * self.frame_s - now
+            if wait > 0:
+                await asyncio.sleep(wait)
+            elif wait < -STALL_S:
+                self._began, self._first = now, self.index  # the loop fell behind: go on from now
+        was_idle = playout.idle
+        frame = playout.next_frame()
+        if self.hangover is not None and playout.idle:
+            # Silence from here: the talkspurt ends with ``hangover`` frames of it.
+            self._trail = self._trail - 1 if was_idle else self.hangover
+            self._spurt = self._trail > 0
+        return frame
+
+    def _begin(self, now: float) -> None:
+        """A talkspurt begins now: its first frame is stamped with the time that has passed, and goes at once."""
+        if self.origin is None:
+            self.origin, self.index = now, 0
+        else:
+            self.index = max(self.index + 1, int((now - self.origin) / self.frame_s))
+        self._began, self._first, self._spurt = now, self.index, True

@@ -10,7 +10,8 @@ most of the time:
   resample it to 48 kHz, measure its level for a header extension and encode
   it at 96 kb/s on a thread of the loop's executor. While it has nothing to
   play it sends nothing (as after Opus DTX: RTP time runs on, and receivers
-  play nothing between two talkspurts).
+  play nothing between two talkspurts); what it plays goes a few frames
+  ahead of real time, so that the receiver's jitter buffer does not wait.
 - **In:** each packet aiortc's jitter buffer releases is decoded on the loop
   as it comes, straight to mono, and heard, where aiortc would pass it to a
   thread of its own and each decoded frame back to the loop and a task.
@@ -44,7 +45,7 @@ from av import AudioFrame, CodecContext, Packet
 
 from s2s_rt.audio import AudioFormat, resample
 from s2s_rt.server import internals
-from s2s_rt.server.playout import Playout
+from s2s_rt.server.playout import HANGOVER_FRAMES, LEAD_FRAMES, Pacer, Playout
 
 log = logging.getLogger(__name__)
 
@@ -83,29 +84,30 @@ DTX_EVERY = 20
 
 
 class Playback(Playout, MediaStreamTrack):
-    """A call's outgoing track: what the session's answers say (:class:`~s2s_rt.server.playout.Playout`), paced in
-    real time, 20 ms at a time, as Opus packets that aiortc only wraps in RTP.
+    """A call's outgoing track: what the session's answers say (:class:`~s2s_rt.server.playout.Playout`), as
+    Opus packets that aiortc only wraps in RTP, paced by a :class:`~s2s_rt.server.playout.Pacer`.
 
     While nothing is queued it sends nothing (``send_silence=False``, the server's side): no frame is made,
-    encoded, encrypted or sent until an answer's audio is queued, and that audio's first packet goes at once.
-    RTP time runs on through the gaps, as after a DTX silence. A microphone (the load script's and the
-    tests' callers) sends silence as a browser's does: ``send_silence=True``.
+    encoded, encrypted or sent until an answer's audio is queued, and that audio's first packets go at once,
+    a few frames ahead of real time. RTP time runs on through the gaps, as after a DTX silence. A microphone
+    (the load script's and the tests' callers) sends silence every 20 ms as a browser's does, and nothing
+    ahead: ``send_silence=True``.
     """
 
     kind = "audio"
 
     def __init__(self, *, send_silence: bool = False, dtx: bool = False) -> None:
         MediaStreamTrack.__init__(self)
-        Playout.__init__(self, PLAY_RATE, FRAME_SAMPLES, HEARD_DELAY_MS)
+        lead = 0 if send_silence else LEAD_FRAMES
+        # What went ahead of real time is not heard yet either.
+        Playout.__init__(self, PLAY_RATE, FRAME_SAMPLES, HEARD_DELAY_MS + lead * FRAME_S * 1000)
         self.send_silence = send_silence
         #: While silent, send as Opus DTX does (:data:`DTX_AFTER`, :data:`DTX_EVERY`): a browser's microphone
         #: when the answer asked for it (``usedtx=1``). Only with ``send_silence``.
         self.dtx = dtx
         self._silent = 0
         self._encoder = opus_encoder()
-        #: When the first frame went, and how many 20 ms frames since: RTP time is ``_index * 960`` at 48 kHz.
-        self._origin: float | None = None
-        self._index = 0
+        self._pacer = Pacer(self, lead, None if send_silence else HANGOVER_FRAMES)
 
     def stop(self) -> None:
         super().stop()
@@ -115,45 +117,28 @@ class Playback(Playout, MediaStreamTrack):
         while True:
             if self.readyState != "live":
                 raise MediaStreamError
-            now = time.monotonic()
-            if self._origin is None:
-                self._origin = now
-            else:
-                self._index += 1
-                if self.idle and not self.send_silence:
-                    self.queued.clear()
-                    await self.queued.wait()
-                    if self.readyState != "live":
-                        raise MediaStreamError
-                    now = time.monotonic()
-                    # A talkspurt begins: its first frame goes now, stamped with the time that has passed.
-                    self._index = max(self._index, int((now - self._origin) / FRAME_S))
-                wait = self._origin + self._index * FRAME_S - now
-                if wait > 0:
-                    await asyncio.sleep(wait)
-                elif wait < -0.2:
-                    # The loop fell behind (a stall): go on from now rather than send a burst.
-                    self._index = int((now - self._origin) / FRAME_S)
-            frame = self.next_frame()
+            frame = await self._pacer.next()
+            if frame is None or self.readyState != "live":
+                raise MediaStreamError
             if self.dtx:
                 # Silence as libopus's DTX finds it in the signal (here: digital silence), whatever is queued.
                 self._silent = 0 if frame.any() else self._silent + 1
                 if self._silent > DTX_AFTER and (self._silent - DTX_AFTER) % DTX_EVERY:
                     continue  # not sent: the receiver hears the gap as silence
-            packet = self._encode(frame)
+            packet = self._encode(frame, self._pacer.index)
             if packet is not None:
                 return packet
 
-    def _encode(self, samples: npt.NDArray[np.int16]) -> Packet[Any] | None:
+    def _encode(self, samples: npt.NDArray[np.int16], index: int) -> Packet[Any] | None:
         frame = AudioFrame.from_ndarray(samples.reshape(1, -1), format="s16", layout="mono")
         frame.sample_rate = PLAY_RATE
-        frame.pts = self._index * FRAME_SAMPLES
+        frame.pts = index * FRAME_SAMPLES
         frame.time_base = PLAY_TIME_BASE
         packets = self._encoder.encode(frame)
         if not packets:
             return None
         packet: Packet[Any] = packets[0]
-        packet.pts = self._index * OPUS_FRAME
+        packet.pts = index * OPUS_FRAME
         packet.time_base = OPUS_TIME_BASE
         return packet
 
