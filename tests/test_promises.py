@@ -410,6 +410,56 @@ def test_clause_splitter_scans_each_character_a_bounded_number_of_times(monkeypa
     assert scanned < 10 * len("".join(tokens))
 
 
+def test_a_run_without_a_space_is_cut_into_pieces_and_never_searched_from_each_of_its_characters(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A URL, a long number or a run of letters an answer spells out has no place to pause: searched for words
+    again from each of its characters at every token, 8,000 characters fed 4 at a time took minutes of the event
+    loop (the session fuzzer's seed 504120: every session stalled for a minute)."""
+    started = time.process_time()
+    assert list(clauses._WORD.finditer("x" * 20_000)) == []
+    assert time.process_time() - started < 0.5  # one search of the run, not 20,000
+    scanned = 0
+    pattern = clauses._WORD
+
+    class Counting:
+        def finditer(self, text: str, pos: int = 0):  # type: ignore[no-untyped-def]
+            nonlocal scanned
+            scanned += len(text) - pos
+            return pattern.finditer(text, pos)
+
+    monkeypatch.setattr(clauses, "_WORD", Counting())
+    splitter = clauses.ClauseSplitter()
+    tokens = ["Here it is: ", *["abcd"] * 8000, " and that is all."]
+    out = [c for t in tokens for c in splitter.feed(t)]
+    out.append(splitter.flush())
+    assert "".join(out).replace(" ", "") == "".join(tokens).replace(" ", "")  # nothing lost
+    assert max(len(piece) for piece in out) <= clauses.MAX_PIECE_CHARS
+    assert scanned < 2 * clauses.MAX_PIECE_CHARS * len(tokens)
+
+
+def test_an_answer_that_spells_a_long_run_without_a_space_does_not_hold_up_another_session() -> None:
+    def user_text(text: str) -> dict[str, Any]:
+        return {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+
+    async def scenario() -> None:
+        async with live_server() as server:
+            async with RealtimeClient.connect(server) as long, RealtimeClient.connect(server) as other:
+                # The client runs on the server's event loop: what stalls the loop shows in the time taken.
+                asked = time.monotonic()
+                await long.send("conversation.item.create", item=user_text("z" * 30_000 + " and so on"))
+                await long.send("response.create")
+                await asyncio.sleep(0.2)
+                await other.send("conversation.item.create", item=user_text("hello there"))
+                await other.send("response.create")
+                done = await other.until("response.done", timeout=3.0)
+                assert done["response"]["status"] == "completed"
+                assert time.monotonic() - asked < 3.0
+                assert (await long.until("response.done", timeout=10.0))["response"]["status"] == "completed"
+
+    run(scenario())
+
+
 # the pool never shrinks -------------------------------------------------------
 
 

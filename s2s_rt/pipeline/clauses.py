@@ -17,7 +17,10 @@ FIRST_CLAUSE_WORDS = 2
 #: that space comes (the place is the same: "3.14", "e.g." and "U.S." are not cut there); or after a comma and
 #: the space and a word of two letters that follow it ("1,000" is not cut).
 _CLAUSE_END = re.compile(r"(?<=[.!?;:])\s+|(?<=[^\W\d_]{2}[.!?])\Z|(?<=[,])\s+(?=\S{2,})")
-_WORD = re.compile(r"\S+\s+")
+#: A complete word: one with a space after it. It starts only where a word starts, so that a long run without
+#: a space (a URL, a number, a hostile "aaaa…") is tried once, not again from each of its characters: that
+#: made each call quadratic in the run, and an answer fed token by token cubic, on the event loop.
+_WORD = re.compile(r"(?<!\S)\S+\s+")
 
 #: Words after which English does not pause: they lean on the word that follows (articles, prepositions,
 #: conjunctions, auxiliaries, determiners, subject pronouns). The first clause is never cut after one.
@@ -41,6 +44,11 @@ SPOKEN_CHARS_PER_S = 14.0
 #: A piece must be cut this long before those before it have played out, for its speech to be made in time
 #: (Piper's step for a short piece about 0.1 s on two cores, the LLM's pause for the first clause besides).
 SPEECH_MADE_S = 0.25
+
+#: A piece is cut at this length whatever it holds (at its last space, else here): text without a place to cut
+#: (a URL, a long number, a run of letters) must not wait for the answer's end, nor be searched again and again
+#: at every token, ever longer.
+MAX_PIECE_CHARS = 400
 
 #: Words that bind to the one before them: nobody pauses before them ("The capital | of France").
 BOUND_TO_PREVIOUS = frozenset({"of"})
@@ -140,6 +148,9 @@ class ClauseSplitter:
                 after = end = self._pause_after(self.first_words * (1 + self.pieces))
             if end is None and self._plays_until is not None and self.clock() >= self._plays_until - SPEECH_MADE_S:
                 after = end = self._last_word_end()
+            if end is None and len(self.text) > MAX_PIECE_CHARS:
+                space = self.text.rfind(" ", 1, MAX_PIECE_CHARS + 1)
+                after = end = space if space > 0 else MAX_PIECE_CHARS
             if end is None or after is None:
                 self._scanned = len(self.text)
                 return out
@@ -166,15 +177,18 @@ class ClauseSplitter:
         in one token, so " is" is "is", not yet "island"; the rare longer word only moves a pause. That judges
         the place a token sooner than waiting for the word's end (the next token's space).
         """
-        words = list(_WORD.finditer(self.text))
-        for n, word in enumerate(words, 1):
+        words = _WORD.finditer(self.text)
+        word, n = next(words, None), 0
+        while word is not None:
+            n += 1
+            after = next(words, None)
             if n >= least + 6:
                 return word.end()
-            if n < least:
-                continue
-            following = words[n].group() if n < len(words) else self.text[word.end() :]
-            if pause_fits_between(word.group(), following):
-                return word.end()
+            if n >= least:
+                following = after.group() if after is not None else self.text[word.end() :]
+                if pause_fits_between(word.group(), following):
+                    return word.end()
+            word = after
         return None
 
     def _last_word_end(self) -> int | None:
