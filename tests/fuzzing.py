@@ -25,7 +25,13 @@ at error level, and the process's RSS grew by at most :data:`RSS_GROWTH_MB`.
 With :func:`flaky_fake_stack` the fake engines get seeded random delays, and
 work marked with :data:`FLAKY` (hostile sessions put it in their instructions,
 transcription prompts and words) fails at random, so that calm sessions'
-work never fails on purpose.
+work never fails on purpose. Half the seeds hear every session in a child
+process, as the default stack does (``hearing_process``), and :func:`child_fates`
+kills it, stops it past its reply timeout or pauses it a moment, a few times a
+run: the ``vad_failed`` each session is then sent, a calm spoken turn the
+failed batch took (the calm client starts a new session), and the server's own
+log of it are the fate's, not findings; a hearing process left alive or
+unreaped once the server has stopped is one.
 
 A run returns a :class:`FuzzReport`; :meth:`FuzzReport.describe` prints the
 seed and, for each finding, the events the session sent (audio elided), so a
@@ -53,6 +59,7 @@ import logging
 import os
 import random
 import re
+import signal
 import threading
 import time
 import traceback
@@ -71,7 +78,8 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake
 from s2s_rt import Config, Server
 from s2s_rt.audio import AudioFormat
 from s2s_rt.engines.base import ChatMessage, Float32Array, LLMRequest, LLMUsage, Stack, StopCheck, Transcript
-from s2s_rt.engines.fake import load_fake_stack
+from s2s_rt.engines.fake import EnergyVAD, load_fake_stack
+from s2s_rt.listening.remote import HearingProcess
 
 #: The word that marks a hostile session's work: only work carrying it fails on purpose.
 FLAKY = "flaky"
@@ -93,8 +101,19 @@ AVOIDABLE = frozenset(
         "engine_faults",  # injected engine failures
         "long_prompts",  # instructions of thousands of characters
         "mcp",  # MCP tools (a real MCP server on loopback, a dead one, refused ones) and approval answers
+        "hearing_process",  # hearing in a child process, killed, hung and paused at random
     }
 )
+#: What a run may do to the server's hearing process (the child that hears every session's audio), when it
+#: hears in one: kill it, stop it past its reply timeout, or pause it for less.
+CHILD_FATES = ("kill", "hang", "pause")
+#: Fates per run at most: each kill or hang costs one of the five restarts the server allows.
+CHILD_FATES_PER_RUN = 3
+#: A calm session's ``vad_failed`` or lost turn this soon after a fate is the fate's: the batch it failed held
+#: every session's audio, and the sessions heard until a new child is ready start from fresh state.
+CHILD_FATE_S = 6.0
+#: The server's VAD timeout where the run hears in a child (the child's reply timeout is 0.8 of it).
+CHILD_VAD_TIMEOUT_S = 2.0
 #: The shape of an id the server makes (``new_id``): no two sessions can hold the same one.
 SERVER_ID = re.compile(r"^[a-z]+_[0-9a-f]{20}$")
 #: Close codes a hostile session may get: normal, going away, no status, abnormal (an abort),
@@ -157,6 +176,10 @@ class FlakyVAD:
 
     def new_state(self) -> Any:
         return self.inner.new_state()
+
+    def hearing_recipe(self) -> type[EnergyVAD]:
+        """The fake VAD in the hearing process, where the run hears in one (without the delays)."""
+        return EnergyVAD
 
     def speech_probabilities(self, chunks: Float32Array, states: Sequence[Any]) -> Float32Array:
         if self.chaos.pick(50) == 0:
@@ -312,11 +335,15 @@ class ErrorLog(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.ERROR)
         self.records: list[str] = []
+        #: Whether the run killed, hung or paused the hearing process lately (:meth:`Run.fated_since`, at a time).
+        self.fated: Callable[[float], bool] = lambda now: False
 
     def emit(self, record: logging.LogRecord) -> None:
         exc = record.exc_info[1] if record.exc_info else None
         if _caused_by_injection(exc) or "injected" in record.getMessage():
             return
+        if "the hearing process failed" in record.getMessage() and self.fated(time.monotonic()):
+            return  # a fate's: the batch it failed, and the child started again
         text = record.getMessage()
         if exc is not None:
             text += f": {_last_frames(exc)}"
@@ -512,7 +539,8 @@ class Session:
             self.approvals.append(str(item.get("id")))
         if t == "error":
             run.report.stats[f"error {(event.get('error') or {}).get('code')}"] += 1
-            if self.calm:
+            code = (event.get("error") or {}).get("code")
+            if self.calm and not (code == "vad_failed" and run.fated_since(time.monotonic())):
                 self.find(f"a calm session got an error: {event.get('error')}")
             self.errors.put_nowait(event)
         response = event.get("response")
@@ -1092,9 +1120,15 @@ class Run:
         self.sources: dict[str, str] = {}
         #: MCP servers the server allows: a live one and a dead one (none where ``mcp`` is avoided).
         self.mcp_urls: tuple[str, ...] = ()
+        #: When the run killed, hung or paused the server's hearing process (:func:`child_fates`).
+        self.fates: list[float] = []
 
     def over(self) -> bool:
         return time.monotonic() >= self.deadline
+
+    def fated_since(self, start: float) -> bool:
+        """Whether a fate of the hearing process came after ``start`` or up to :data:`CHILD_FATE_S` before."""
+        return any(t >= start - CHILD_FATE_S for t in self.fates)
 
     def find(self, s: Session | None, what: str) -> None:
         who = s.label if s is not None else "server"
@@ -1169,13 +1203,29 @@ async def hostile_worker(run: Run, index: int, seed: int, speech: bytes | None) 
 
 
 async def calm_worker(run: Run, index: int, seed: int, speech: bytes, *, fake: bool) -> None:
-    """A well-behaved client: text and spoken turns, each of which must complete."""
+    """A well-behaved client: text and spoken turns, each of which must complete. A turn that a fate of the
+    hearing process took (:func:`child_fates`) is not a finding: the client starts again with a new session."""
     rng = random.Random(f"{seed}:calm{index}")
     label = f"c{index}"
-    s: Session | None = None
+    turn: int | None = 0
+    while turn is not None and not run.over():
+        s = await _calm_session(run, label, fake=fake)
+        if s is None:
+            return
+        try:
+            turn = await _calm_turns(run, s, rng, index, turn, speech, fake=fake)
+        except ConnectionClosed:
+            return  # found by the reader's close check
+        finally:
+            await s.close()
+
+
+async def _calm_session(run: Run, label: str, *, fake: bool) -> Session | None:
+    """A calm session, once admitted (the listening admission may refuse one while the machine is busy)."""
     loop = asyncio.get_running_loop()
     give_up = loop.time() + 15
-    while s is None:  # the listening admission may refuse a session while the machine is busy
+    s: Session | None = None
+    while s is None:
         s = await run.open(label, calm=True)
         if s is not None:
             first = await asyncio.wait_for(s.first, 10)
@@ -1185,9 +1235,8 @@ async def calm_worker(run: Run, index: int, seed: int, speech: bytes, *, fake: b
         if s is None:
             if loop.time() > give_up:
                 run.find(None, f"calm session {label} was never admitted")
-                return
+                return None
             await asyncio.sleep(0.3)
-    assert s is not None
     await s.send(
         {
             "type": "session.update",
@@ -1198,49 +1247,97 @@ async def calm_worker(run: Run, index: int, seed: int, speech: bytes, *, fake: b
             },
         }
     )
-    turn = 0
-    try:
-        while not run.over():
-            turn += 1
-            spoken = turn % 2 == 0
-            word = f"calmword{label}x{turn}"
-            if spoken:
-                pcm = speech_like(AudioFormat(), 250 + 37 * index + 11 * (turn % 13), 0.5, 0.9) if fake else speech
-                for i in range(0, len(pcm), 4800):
-                    await s.send({"type": "input_audio_buffer.append", "audio": _b64(pcm[i : i + 4800])})
-            else:
-                await s.send(
-                    {
-                        "type": "conversation.item.create",
-                        "item": {
-                            "type": "message",
-                            "role": "user",
-                            "content": [{"type": "input_text", "text": f"please repeat {word}"}],
-                        },
-                    }
-                )
-                await s.send({"type": "response.create"})
-            t0 = loop.time()
-            try:
-                done = await asyncio.wait_for(s.dones.get(), CALM_TURN_S)
-            except TimeoutError:
-                kind = "spoken" if spoken else "text"
-                s.find(f"calm {kind} turn {turn} got no response.done within {CALM_TURN_S:.0f} s")
-                return
-            latency = loop.time() - t0
-            run.report.calm_latencies.append(latency)
-            status = done["response"].get("status")
-            if status != "completed":
-                s.find(f"calm turn {turn} ended {status}: {done['response'].get('status_details')}")
-            elif fake and not spoken and _transcript(done) != f"You said: please repeat {word}.":
-                s.find(f"calm turn {turn} answered {_transcript(done)!r}")
-            elif fake and spoken and not _transcript(done).startswith("You said: heard"):
-                s.find(f"calm spoken turn {turn} answered {_transcript(done)!r}")
-            await asyncio.sleep(rng.uniform(0.0, 0.3))
-    except ConnectionClosed:
-        pass  # found by the reader's close check
-    finally:
-        await s.close()
+    return s
+
+
+async def _calm_turns(
+    run: Run, s: Session, rng: random.Random, index: int, turn: int, speech: bytes, *, fake: bool
+) -> int | None:
+    """Turns until the run is over (None), or the turn a fate of the hearing process took (its number: the
+    client starts again). A turn that fails otherwise is a finding (None)."""
+    label = s.label
+    while not run.over():
+        turn += 1
+        spoken = turn % 2 == 0
+        word = f"calmword{label}x{turn}"
+        asked = time.monotonic()
+        if spoken:
+            pcm = speech_like(AudioFormat(), 250 + 37 * index + 11 * (turn % 13), 0.5, 0.9) if fake else speech
+            for i in range(0, len(pcm), 4800):
+                await s.send({"type": "input_audio_buffer.append", "audio": _b64(pcm[i : i + 4800])})
+        else:
+            await s.send(
+                {
+                    "type": "conversation.item.create",
+                    "item": {
+                        "type": "message",
+                        "role": "user",
+                        "content": [{"type": "input_text", "text": f"please repeat {word}"}],
+                    },
+                }
+            )
+            await s.send({"type": "response.create"})
+        t0 = time.monotonic()
+        kind = "spoken" if spoken else "text"
+        try:
+            done = await asyncio.wait_for(s.dones.get(), CALM_TURN_S)
+        except TimeoutError:
+            done = None
+        status = None if done is None else done["response"].get("status")
+        if spoken and status != "completed" and run.fated_since(asked):
+            run.report.stats["calm spoken turns a fate of the hearing process took"] += 1
+            return turn
+        if done is None:
+            s.find(f"calm {kind} turn {turn} got no response.done within {CALM_TURN_S:.0f} s")
+            return None
+        run.report.calm_latencies.append(time.monotonic() - t0)
+        if status != "completed":
+            s.find(f"calm turn {turn} ended {status}: {done['response'].get('status_details')}")
+        elif fake and not spoken and _transcript(done) != f"You said: please repeat {word}.":
+            s.find(f"calm turn {turn} answered {_transcript(done)!r}")
+        elif fake and spoken and not _transcript(done).startswith("You said: heard"):
+            s.find(f"calm spoken turn {turn} answered {_transcript(done)!r}")
+        await asyncio.sleep(rng.uniform(0.0, 0.3))
+    return None
+
+
+async def child_fates(run: Run, seed: int) -> None:
+    """At seeded moments, the server's hearing process is killed, hung past its reply timeout or paused for
+    less: a batch of every session's audio fails (or is late), and the server must carry on."""
+    clock = getattr(run.server, "clock", None)
+    hearing = getattr(clock, "hearing", None)
+    if not isinstance(hearing, HearingProcess):
+        return
+    rng = random.Random(f"{seed}:child")
+    for _ in range(CHILD_FATES_PER_RUN):
+        await asyncio.sleep(rng.uniform(2.0, 8.0))
+        pid = hearing.pid
+        if run.over() or pid is None:  # over, or a new child is starting
+            continue
+        fate = rng.choice(CHILD_FATES)
+        run.fates.append(time.monotonic())
+        run.report.stats[f"hearing process: {fate}"] += 1
+        if fate == "kill":
+            os.kill(pid, signal.SIGKILL)
+            continue
+        os.kill(pid, signal.SIGSTOP)
+        await asyncio.sleep(2 * CHILD_VAD_TIMEOUT_S if fate == "hang" else rng.uniform(0.02, 0.3))
+        run.fates.append(time.monotonic())
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+
+
+def hearing_children() -> list[str]:
+    """This process's hearing processes still alive or not reaped: ``pid state`` each."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == os.getpid() and b"s2s_rt.listening.remote" in (stat.parent / "cmdline").read_bytes():
+                found.append(f"{stat.parent.name} {fields[0]}")
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+    return found
 
 
 async def _warm_up(server: Server) -> None:
@@ -1373,6 +1470,11 @@ async def fuzz(
     chaos = None
     if stack == "fake":
         engines, chaos = flaky_fake_stack(seed, faults="engine_faults" not in avoid)
+        # Half the runs hear in a child (as the default stack does), and that child meets its fates.
+        in_child = "hearing_process" not in avoid and random.Random(f"{seed}:hearing").random() < 0.5
+        child = {"hearing_process": in_child} | ({"vad_timeout_s": CHILD_VAD_TIMEOUT_S} if in_child else {})
+        settings = child | settings
+        report.stats[f"heard in {'a child' if in_child else 'the server'}"] += 1
     errors = ErrorLog()
     logger = logging.getLogger("s2s_rt")
     logger.addHandler(errors)
@@ -1390,11 +1492,13 @@ async def fuzz(
                     await _warm_up(server)
                 rss_before = _rss_mb()  # the models are loaded by now
                 run = Run(server, report, time.monotonic() + seconds, avoid=avoid)
+                errors.fated = run.fated_since
                 if host is not None:
                     run.mcp_urls = (host.url, DEAD_MCP_URL)
                 tasks = [
                     *(hostile_worker(run, i, seed, pcm if stack != "fake" else None) for i in range(hostile)),
                     *(calm_worker(run, i, seed, pcm, fake=stack == "fake") for i in range(calm)),
+                    *([child_fates(run, seed)] if stack == "fake" else []),
                 ]
                 await asyncio.gather(*tasks)
                 if run.live:
@@ -1407,6 +1511,9 @@ async def fuzz(
         report.findings.append(Finding("server", f"the server failed: {_last_frames(exc)}"))
     finally:
         logger.removeHandler(errors)
+    left = hearing_children()
+    if left:
+        report.findings.append(Finding("server", f"hearing processes left after the server stopped: {left}"))
     for record in errors.records:
         report.findings.append(Finding("server log", record))
     if chaos is not None:

@@ -66,7 +66,7 @@ def test_the_process_hears_what_the_server_would_hear_itself(vad: SileroVAD, pro
     there, here = _twins(vad, formats)
     noise = _noise()
     if noise is not None:
-        there[7].denoiser, here[7].denoiser = noise.denoiser(), noise.denoiser()
+        there[7].noise = here[7].noise = noise
     streams = [fmt.encode(_speechlike(rng, 2.0, fmt.rate)) for fmt in formats]
     step = [fmt.bytes_per_sample * fmt.rate // 50 for fmt in formats]  # 20 ms appends
     scope = Scope("test")
@@ -200,3 +200,31 @@ def test_a_server_hears_in_its_child_tells_a_session_when_it_dies_and_ends_it_at
     replaced = run(main(), timeout=120)
     with pytest.raises(ProcessLookupError):
         os.kill(replaced, 0)
+
+
+@pytest.mark.skipif(_noise() is None, reason="RNNoise is not installed")
+def test_a_session_asking_for_noise_reduction_is_denoised_in_the_child_not_in_the_servers_process(
+    vad: SileroVAD,
+) -> None:
+    """Loading RNNoise into the server's process once slowed every answer (:class:`LazyRNNoise`): with a hearing
+    process, the session's stream is made and run in the child, and the server's process never loads it."""
+    stack = load_fake_stack()
+    stack.vad = vad
+    noise = stack.noise = _noise()
+    assert noise is not None
+
+    async def main() -> None:
+        async with live_server(stack) as server:
+            assert isinstance(server.clock.hearing, HearingProcess)
+            async with RealtimeClient.connect(server) as client:
+                near = {"type": "near_field"}
+                session = {"type": "realtime", "audio": {"input": {"noise_reduction": near, "turn_detection": None}}}
+                await client.send("session.update", session=session)
+                updated = await client.until("session.updated")
+                assert updated["session"]["audio"]["input"]["noise_reduction"] == near
+                await client.append_audio(tone(300, 1.0))
+                await client.send("input_audio_buffer.commit")
+                await client.until("input_audio_buffer.committed")
+        assert noise._loaded is None
+
+    run(main(), timeout=120)

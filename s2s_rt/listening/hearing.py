@@ -21,7 +21,7 @@ import numpy as np
 
 from s2s_rt.audio import AudioFormat, AudioFormatError, Resampler
 from s2s_rt.budget import ByteBudget
-from s2s_rt.engines.base import PIPELINE_RATE, VAD, Denoiser, Float32Array
+from s2s_rt.engines.base import PIPELINE_RATE, VAD, Denoiser, Float32Array, NoiseReduction
 from s2s_rt.scope import Scope
 
 T = TypeVar("T")
@@ -98,7 +98,10 @@ class SessionAudio:
         self.scoring = scoring
         self.format = input_format
         self.resampler = Resampler(input_format.rate, PIPELINE_RATE)
-        #: Denoises the audio before the VAD and the recogniser hear it (``noise_reduction``); None: heard as sent.
+        #: The noise reduction the session asks for (``noise_reduction``); None: heard as sent. Where the audio
+        #: is heard (here, or the hearing process), a :attr:`denoiser` is made from it when it first denoises,
+        #: kept with its state while the session still asks, and dropped when it no longer does.
+        self.noise: NoiseReduction | None = None
         self.denoiser: Denoiser | None = None
         #: Samples not yet a whole VAD window, carried to the next tick.
         self.pending = np.zeros(0, np.float32)
@@ -289,10 +292,14 @@ def hear(vad: VAD, work: Work) -> list[Heard]:
             samples[i] = out
     # 1b. Denoise, each session that asked for it with its own stream (a failure is that session's alone).
     for i, (ls, _, _) in enumerate(work):
-        denoiser = ls.denoiser
-        if denoiser is not None and heard[i] is None and len(samples[i]):
+        noise = ls.noise
+        if noise is None:
+            ls.denoiser = None
+        elif heard[i] is None and len(samples[i]):
             try:
-                samples[i] = denoiser.process(samples[i])
+                if ls.denoiser is None:
+                    ls.denoiser = noise.denoiser()
+                samples[i] = ls.denoiser.process(samples[i])
             except Exception as exc:
                 heard[i] = Heard(NOTHING, NOTHING, exc)
     # 2. Cut windows, a group of one rest length and one new length at a time.

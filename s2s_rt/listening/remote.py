@@ -130,6 +130,8 @@ class HearingProcess:
         self._ready = False
         self._starting: threading.Thread | None = None
         self._closed = False
+        #: Orders :meth:`close` with a restart: no child starts, or is kept, once closed.
+        self._lock = threading.Lock()
         #: Children started again after a failure.
         self.restarts = 0
         #: Sessions whose state the child held at its last answer.
@@ -173,26 +175,23 @@ class HearingProcess:
         finally:
             os.unlink(in_path)
             os.unlink(out_path)
-        if ready[0] != "ready":
-            conn.close()
-            child.wait(5)
-            raise ChildFailed(f"the hearing process could not load its models: {ready[1]}")
-        self._child, self._conn, self._maps = child, conn, (in_map, out_map)
-        self._formats.clear()  # a new child knows no format and no session
-        self._seen = set()
-        self._forget = []
-        self._ready = True
+        with self._lock:
+            if ready[0] != "ready" or self._closed:
+                conn.close()
+                child.kill()
+                child.wait(5)
+                why = f"could not load its models: {ready[1]}" if ready[0] != "ready" else "was closed meanwhile"
+                raise ChildFailed(f"the hearing process {why}")
+            self._child, self._conn, self._maps = child, conn, (in_map, out_map)
+            self._formats.clear()  # a new child knows no format and no session
+            self._seen = set()
+            self._forget = []
+            self._ready = True
         log.info("hearing in a process of its own (pid %d): %s", child.pid, ready[1])
 
     def _restart_in_background(self) -> None:
         """A new child, started in a thread; batches are heard in this process until it is ready."""
         self._stop_child()
-        if self._closed or (self._starting is not None and self._starting.is_alive()):
-            return
-        if self.restarts >= MAX_RESTARTS:
-            log.error("the hearing process failed %d times: hearing stays in this process", self.restarts + 1)
-            return
-        self.restarts += 1
 
         def start() -> None:
             try:
@@ -200,8 +199,15 @@ class HearingProcess:
             except Exception as exc:
                 log.error("hearing stays in this process: %s", exc)
 
-        self._starting = threading.Thread(target=start, name="s2s-rt hearing restart", daemon=True)
-        self._starting.start()
+        with self._lock:
+            if self._closed or (self._starting is not None and self._starting.is_alive()):
+                return
+            if self.restarts >= MAX_RESTARTS:
+                log.error("the hearing process failed %d times: hearing stays in this process", self.restarts + 1)
+                return
+            self.restarts += 1
+            self._starting = threading.Thread(target=start, name="s2s-rt hearing restart", daemon=True)
+            self._starting.start()
 
     def _stop_child(self) -> None:
         self._ready = False
@@ -215,9 +221,11 @@ class HearingProcess:
 
     def close(self) -> None:
         """End the child (the server's teardown); batches after this are heard in this process."""
-        self._closed = True
-        if self._starting is not None:
-            self._starting.join(START_TIMEOUT_S)
+        with self._lock:
+            self._closed = True
+            starting = self._starting
+        if starting is not None:
+            starting.join(START_TIMEOUT_S)
         self._stop_child()
 
     @property
@@ -279,7 +287,7 @@ class HearingProcess:
             if key not in seen:  # the child is told when the session's audio is gone
                 seen.add(key)
                 weakref.finalize(audio, self._gone, key)
-            denoised = audio.denoiser is not None
+            denoised = audio.noise is not None
             for seg in segments:
                 fmt = formats.get(seg.format)
                 if fmt is None:
@@ -364,10 +372,7 @@ def _serve(
             audio = sessions.get(key)
             if audio is None:
                 audio = sessions[key] = SessionAudio(scope, vad.new_state(), formats[fmt])
-            if denoised and audio.denoiser is None and noise is not None:
-                audio.denoiser = noise.denoiser()
-            elif not denoised:
-                audio.denoiser = None
+            audio.noise = noise if denoised else None
             work.append((audio, [segment], bool(scoring)))
         heard = hear(vad, work)
         lengths = np.array([[len(got.samples), len(got.probabilities)] for got in heard], np.int64)

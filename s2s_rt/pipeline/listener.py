@@ -272,16 +272,15 @@ class Listener:
         self._apply_noise_reduction(ctx)
 
     def _apply_noise_reduction(self, ctx: SessionContext) -> None:
-        """A denoiser for the session while it asks for one (kept, with its state, while it still does)."""
+        """The session's audio is denoised while it asks (by whoever hears it: the model is loaded there, when
+        first used, and the session's stream keeps its state while it still asks)."""
         asked = ctx.session.config.noise_reduction is not None
-        if asked == (ctx.audio.denoiser is not None):
-            return
         noise = self.stage.stack.noise
         if asked and noise is None:
             ctx.session.config.noise_reduction = None
             self._error(ctx, ServerFault("noise_reduction_unavailable", "This server has no noise reduction installed"))
             return
-        ctx.audio.denoiser = noise.denoiser() if asked and noise is not None else None
+        ctx.audio.noise = noise if asked else None
 
     def _speech_started(self, ctx: SessionContext, turn: SpeechStart) -> None:
         session = ctx.session
