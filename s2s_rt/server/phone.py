@@ -26,7 +26,7 @@ from s2s_rt.audio import AudioFormat
 from s2s_rt.budget import PacketBudget
 from s2s_rt.protocol.session import Session
 from s2s_rt.server import internals
-from s2s_rt.server.playout import LEAD_FRAMES, CallEnded, Pacer, Playout
+from s2s_rt.server.playout import HEARD_DELAY_MS, CallEnded, Pacer, Playout
 
 log = logging.getLogger(__name__)
 
@@ -35,9 +35,6 @@ RATE = 8_000
 FRAME_SAMPLES = RATE // 50
 CODECS = [0, 8]
 HEARD_FORMAT = AudioFormat("audio/pcm", RATE)
-#: A phone plays what it is sent this much later (its jitter buffer): that much of what was played is unheard,
-#: and what went ahead of real time (:data:`~s2s_rt.server.playout.LEAD_FRAMES`).
-HEARD_DELAY_MS = 60.0
 #: Events the application's WebSocket may have sent and the session not yet read before the call ends.
 MAX_WAITING_EVENTS = 4096
 
@@ -64,7 +61,7 @@ class PhoneCall:
         self.id = call_id
         self.invite = invite
         self.client = client
-        self.playback = Playout(RATE, FRAME_SAMPLES, HEARD_DELAY_MS + LEAD_FRAMES * 20)
+        self.playback = Playout(RATE, FRAME_SAMPLES, HEARD_DELAY_MS)
         self.pacer = Pacer(self.playback)
         self.media: CallSession | None = None
         self.inbox: asyncio.Queue[str | bytes | None] = asyncio.Queue()

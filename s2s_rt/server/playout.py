@@ -32,6 +32,11 @@ LEAD_FRAMES = 4
 #: of the answer now, not when the next answer's packets push it out (and a browser conceals the gap that
 #: follows from silence, not from the last word).
 HANGOVER_FRAMES = LEAD_FRAMES + 1
+#: How much later than it is sent a receiver plays a talkspurt's audio: what went ahead (which also fills a
+#: fixed jitter buffer as the talkspurt starts: aiortc's 4 packets, a phone's depth), and a frame for decoding
+#: and playout. Measured with aiortc's receiver: some 80 ms; a browser's adaptive buffer holds 20-80 ms more, a
+#: receiver without one (the SIP tests' ear) plays at once. What was sent that recently is not heard yet.
+HEARD_DELAY_MS = (LEAD_FRAMES + 1) * 20.0
 #: The pacing fell this far behind (the loop stalled): it goes on from now rather than send a burst.
 STALL_S = 0.2
 

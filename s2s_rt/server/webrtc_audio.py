@@ -45,7 +45,7 @@ from av import AudioFrame, CodecContext, Packet
 
 from s2s_rt.audio import AudioFormat, resample
 from s2s_rt.server import internals
-from s2s_rt.server.playout import HANGOVER_FRAMES, LEAD_FRAMES, Pacer, Playout
+from s2s_rt.server.playout import HEARD_DELAY_MS, Pacer, Playout
 
 log = logging.getLogger(__name__)
 
@@ -62,10 +62,6 @@ OPUS_BITRATE = 32_000
 #: What the caller's Opus decodes to, as the listening clock takes it: mono PCM16 at 48 kHz (libopus
 #: through FFmpeg decodes at 48 kHz only).
 HEARD_FORMAT = AudioFormat("audio/pcm", 48_000)
-#: A receiver plays what it is sent this much later (its jitter buffer, the codec): what the server played
-#: that recently has not been heard yet. Measured here: aiortc's receiver 100-120 ms behind the track
-#: (a 4-packet prefetch); browsers' jitter buffers hold some 20-80 ms on a quiet network.
-HEARD_DELAY_MS = 60.0
 #: Packets aiortc's receiver holds before it decodes one: its own default is 4 (80 ms more before the
 #: server hears each word's end); 1 still puts packets back in order when the next one has come.
 RECEIVE_PREFETCH = int(os.environ.get("S2S_RT_CALL_PREFETCH", "1"))
@@ -98,16 +94,15 @@ class Playback(Playout, MediaStreamTrack):
 
     def __init__(self, *, send_silence: bool = False, dtx: bool = False) -> None:
         MediaStreamTrack.__init__(self)
-        lead = 0 if send_silence else LEAD_FRAMES
-        # What went ahead of real time is not heard yet either.
-        Playout.__init__(self, PLAY_RATE, FRAME_SAMPLES, HEARD_DELAY_MS + lead * FRAME_S * 1000)
+        Playout.__init__(self, PLAY_RATE, FRAME_SAMPLES, HEARD_DELAY_MS)
         self.send_silence = send_silence
         #: While silent, send as Opus DTX does (:data:`DTX_AFTER`, :data:`DTX_EVERY`): a browser's microphone
         #: when the answer asked for it (``usedtx=1``). Only with ``send_silence``.
         self.dtx = dtx
         self._silent = 0
         self._encoder = opus_encoder()
-        self._pacer = Pacer(self, lead, None if send_silence else HANGOVER_FRAMES)
+        # A microphone sends every 20 ms, in real time; the server's answers go ahead (the Pacer's defaults).
+        self._pacer = Pacer(self, lead=0, hangover=None) if send_silence else Pacer(self)
 
     def stop(self) -> None:
         super().stop()
