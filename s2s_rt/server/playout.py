@@ -191,8 +191,7 @@ class Pacer:
         self.playout = playout
         self.lead = lead
         self.hangover = hangover
-        frame_s = playout.frame_samples / playout.rate
-        self.frame_s = frame_s
+        self.frame_s = playout.frame_samples / playout.rate
         #: The frame being sent, counted since the call's first (at :attr:`origin`).
         self.index = -1
         self.origin: float | None = None
