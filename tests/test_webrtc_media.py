@@ -90,6 +90,24 @@ def test_a_microphone_sends_silence_every_20_ms() -> None:
     run(scenario())
 
 
+def test_a_microphone_whose_loop_stalls_stamps_its_next_frame_with_the_time_that_passed() -> None:
+    """RTP time is the sampling clock's: a sender whose loop stalled past the pacer's bound goes on from now,
+    and its frames' RTP time with it (a gap, as after lost packets), never behind the time that passed."""
+
+    async def scenario() -> None:
+        mic = Playback(send_silence=True)
+        start = time.monotonic()
+        for _ in range(5):
+            await mic.recv()
+        time.sleep(0.5)  # the loop stalls
+        after = await mic.recv()
+        elapsed = time.monotonic() - start
+        assert after.pts // OPUS_FRAME >= int(elapsed / 0.02) - 2, (after.pts // OPUS_FRAME, elapsed)
+        mic.stop()
+
+    run(scenario())
+
+
 def _opus_packets(samples: np.ndarray) -> list[bytes]:
     from s2s_rt.server.webrtc_audio import opus_encoder
 
@@ -207,6 +225,39 @@ def test_a_jump_in_a_callers_rtp_time_is_heard_as_silence_only_within_a_bound() 
         hearing.put(None)
 
     run(scenario())
+
+
+def test_a_caller_whose_rtp_time_falls_behind_after_a_pause_is_heard_again_after_that_shift() -> None:
+    """A caller stops for half a second and goes on with the next RTP time (a sender whose loop stalled, a
+    bridge that stamps what it forwards): the pause is heard as silence as it passes, the first packets after
+    it fall within that silence and are not heard again, and once the caller's time passes what was heard,
+    it is heard as it comes; the call does not go deaf."""
+
+    async def scenario() -> None:
+        heard: list[tuple[float, bytes]] = []
+        hearing = Hearing(lambda pcm: heard.append((time.monotonic(), pcm)), lambda why: None, "rtc_behind")
+        speech = _opus_packets(np.frombuffer(tone(300, 1.5), dtype="<i2"))
+        start = time.monotonic()
+        for i in range(5):
+            hearing.put((OPUS, JitterFrame(speech[i], i * OPUS_FRAME)))
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.5)
+        resumed = time.monotonic()
+        for i in range(5, 70):  # 1.3 s more, in real time, stamped on from where it stopped
+            hearing.put((OPUS, JitterFrame(speech[i], i * OPUS_FRAME)))
+            await asyncio.sleep(0.02)
+        ended = time.monotonic()
+        hearing.put(None)
+        voiced = [t for t, pcm in heard if np.abs(np.frombuffer(pcm, dtype="<i2")).max() > 1000]
+        late = [t - resumed for t in voiced if t > resumed]
+        # Heard again once the caller's time passed the pause heard as silence (some 0.5 s), to the end.
+        assert late and late[0] < 0.75, late[:3]
+        assert ended - voiced[-1] < 0.1, ended - voiced[-1]
+        # Each moment once: never more than the time that passed.
+        total_ms = sum(len(pcm) for _, pcm in heard) / 2 / 48
+        assert total_ms <= (ended - start) * 1000 + 40, (total_ms, ended - start)
+
+    run(scenario(), timeout=10)
 
 
 def test_a_failure_while_decoding_ends_the_call_alone_and_never_reaches_aiortc(monkeypatch: Any) -> None:

@@ -70,6 +70,9 @@ RECEIVE_PREFETCH = int(os.environ.get("S2S_RT_CALL_PREFETCH", "1"))
 #: until they come back.
 GAP_S = 0.06
 GAP_MARGIN_S = 0.02
+#: This many packets in a row within what was heard as silence, each going on from the one before: the caller
+#: is streaming, its time behind the silence heard, which waits for it (see :meth:`Hearing.put`).
+BEHIND_PACKETS = 3
 #: A jump in the caller's RTP time longer than this is not heard as silence (a new source, or a clock's
 #: jump): the time it spans has been heard on the server's clock already, as far as it passed.
 MAX_GAP_S = 1.0
@@ -189,6 +192,9 @@ class Hearing:
         #: The newest packet's end in RTP time, and when it came (``time.monotonic()``).
         self._newest = 0
         self._came = 0.0
+        #: Packets in a row within what was heard as silence, each going on from the one before, and the last one's end.
+        self._behind = 0
+        self._behind_to = 0
         self._gap: asyncio.TimerHandle | None = None
 
     def put(self, task: tuple[Any, Any] | None) -> None:
@@ -225,10 +231,20 @@ class Hearing:
                 # caller's timestamps cannot make the server hear faster than real time).
                 self._silence(min(ahead, int((now - self._came + FRAME_S) * self._clock)))
             elif -bound <= _signed(end - self._heard_to) <= 0:
-                return  # heard already, as silence
+                # Heard already, as silence. Packets that go on from the caller's newest, one after another
+                # (a packet lost between at most), say the caller is streaming, behind what was heard: it
+                # paused and went on with the next RTP time. The gap's silence then waits for it, and it is
+                # heard again once its time passes what was heard, not never (the silence running on ahead
+                # of it on the loop's clock). One such packet is not enough: the jitter buffer releases a
+                # talkspurt's last packet only with the next, a DTX packet 400 ms later.
+                follows = 0 <= _signed(start - self._behind_to) <= _signed(end - start)
+                self._behind, self._behind_to = (self._behind + 1 if follows else 0), end
+                if self._behind >= BEHIND_PACKETS:
+                    self._newest, self._came = end, now
+                return
         if self._heard_to is None or not -bound <= _signed(end - self._heard_to) <= 0:
             self._heard_to = end  # further on, or a jump past the bound either way: its time from now on
-        self._newest, self._came = end, now
+        self._newest, self._came, self._behind, self._behind_to = end, now, 0, end
         self._heard(pcm)
         if self._gap is None:
             self._gap = asyncio.get_running_loop().call_later(GAP_S, self._check_gap)
