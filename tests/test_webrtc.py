@@ -127,6 +127,29 @@ def test_a_spoken_turn_over_webrtc_arrives_as_events_on_the_data_channel_and_aud
     run(scenario())
 
 
+def test_a_call_whose_loop_stalls_between_turns_is_still_heard() -> None:
+    """The loop stalls for half a second between two spoken turns (the caller's and, here, the server's): the
+    next turn is heard and answered, as the first was. Found by the surface fuzzer: a caller whose loop
+    stalled went on with the next RTP time, behind what the server had heard as silence, and the server
+    heard nothing more of that call."""
+
+    async def scenario() -> None:
+        async with live_server() as server:
+            call = await CallClient.open(base_url(server), "unused")
+            try:
+                await call.next_event("session.created")
+                _, first = await spoken_turn(call)
+                assert first["response"]["status"] == "completed"
+                await asyncio.sleep(0.3)
+                time.sleep(0.5)  # the loop stalls
+                _, second = await spoken_turn(call)
+                assert second["response"]["status"] == "completed"
+            finally:
+                await call.close()
+
+    run(scenario())
+
+
 def test_a_receiver_that_holds_packets_before_it_plays_hears_the_whole_answer_before_the_next() -> None:
     """aiortc's receiver (this client's) plays a packet only once 4 more have come. The server sends nothing
     between answers, so its answer's talkspurt ends with frames of silence that push the last word out: without
