@@ -136,7 +136,7 @@ def test_a_server_refuses_to_start_on_a_websockets_without_them(monkeypatch: pyt
     run(scenario())
 
 
-# --- aiortc: the receiver's jitter buffer (s2s_rt.server.webrtc_audio.hold_less) ---------------------------------
+# --- aiortc: the receiver's jitter buffer (s2s_rt.server.webrtc_audio.release_at_once) ---------------------
 
 
 async def _offer(pc: RTCPeerConnection) -> str:
@@ -174,12 +174,12 @@ def test_aiortc_receivers_have_the_jitter_buffer_that_is_replaced() -> None:
 def test_a_calls_audio_passes_through_the_jitter_buffer_put_in(monkeypatch: pytest.MonkeyPatch) -> None:
     added: list[int] = []
 
-    class Counting(JitterBuffer):
+    class Counting(webrtc_audio.InOrder):
         def add(self, packet: Any) -> Any:
             added.append(packet.sequence_number)
             return super().add(packet)
 
-    monkeypatch.setattr(webrtc_audio, "JitterBuffer", Counting)
+    monkeypatch.setattr(webrtc_audio, "InOrder", Counting)
 
     async def scenario() -> None:
         heard: list[bytes] = []
@@ -187,7 +187,7 @@ def test_a_calls_audio_passes_through_the_jitter_buffer_put_in(monkeypatch: pyte
         try:
             receiver = next(t.receiver for t in call.pc.getTransceivers() if t.kind == "audio")
             buffer = getattr(receiver, internals.JITTER_BUFFER)
-            assert type(buffer) is Counting and buffer._prefetch == webrtc_audio.RECEIVE_PREFETCH
+            assert type(buffer) is Counting
             for _ in range(500):
                 if len(heard) >= 5:
                     break
@@ -215,8 +215,8 @@ def test_an_aiortc_without_the_jitter_buffer_is_said_loudly(
         try:
             receiver = pc.addTransceiver("audio").receiver
             with caplog.at_level(logging.ERROR, "s2s_rt.server.internals"):
-                webrtc_audio.hold_less(receiver)
-                webrtc_audio.hold_less(receiver)
+                webrtc_audio.release_at_once(receiver)
+                webrtc_audio.release_at_once(receiver)
             assert type(getattr(receiver, internals.JITTER_BUFFER)) is JitterBuffer  # aiortc's own, left alone
         finally:
             await pc.close()

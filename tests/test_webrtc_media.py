@@ -12,13 +12,14 @@ import pytest
 from aiortc import RTCRtpCodecParameters
 from aiortc.jitterbuffer import JitterFrame
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
+from aiortc.rtp import RtpPacket
 from av import CodecContext, Packet
 from conftest import eventually, live_server, run, silence, tone
 
 from s2s_rt.audio import AudioFormat
 from s2s_rt.bench.call import CallClient
 from s2s_rt.server.playout import HANGOVER_FRAMES, LEAD_FRAMES
-from s2s_rt.server.webrtc_audio import OPUS_FRAME, OPUS_TIME_BASE, Hearing, Playback
+from s2s_rt.server.webrtc_audio import OPUS_FRAME, OPUS_TIME_BASE, Hearing, InOrder, Playback
 
 OPUS = RTCRtpCodecParameters(mimeType="audio/opus", clockRate=48000, channels=2, payloadType=111)
 PCMU = RTCRtpCodecParameters(mimeType="audio/PCMU", clockRate=8000, channels=1, payloadType=0)
@@ -258,6 +259,25 @@ def test_a_caller_whose_rtp_time_falls_behind_after_a_pause_is_heard_again_after
         assert total_ms <= (ended - start) * 1000 + 40, (total_ms, ended - start)
 
     run(scenario(), timeout=10)
+
+
+def test_the_callers_packets_are_released_as_they_come_and_a_lost_one_holds_nothing_back() -> None:
+    """The receiver's jitter buffer releases each packet as it comes, in order: a lost packet holds none of
+    those after it back (aiortc's own, as the server had it, then ran 14 packets, 280 ms, behind for the
+    rest of the call), a late one or a copy is dropped, and a stream begun again is followed."""
+    buffer = InOrder()
+
+    def add(seq: int) -> int | None:
+        packet = RtpPacket(payload_type=111, sequence_number=seq & 0xFFFF, timestamp=(seq * OPUS_FRAME) & 0xFFFFFFFF)
+        packet._data = b"opus"  # type: ignore[attr-defined]  # as aiortc's depayloading sets it
+        _, frame = buffer.add(packet)
+        return None if frame is None else frame.timestamp // OPUS_FRAME
+
+    assert [add(seq) for seq in range(65530, 65540)] == list(range(65530, 65540))  # through the wrap, at once
+    assert [add(seq) for seq in (65541, 65542, 65543)] == [65541, 65542, 65543]  # 65540 lost: nothing held
+    assert add(65540) is None and add(65543) is None  # late, and a copy
+    assert [add(seq) for seq in range(65544, 65600)] == list(range(65544, 65600))
+    assert add(65600 - 5000) == 65600 - 5000  # far back: the stream began again
 
 
 def test_a_failure_while_decoding_ends_the_call_alone_and_never_reaches_aiortc(monkeypatch: Any) -> None:

@@ -37,7 +37,7 @@ from s2s_rt.budget import PacketBudget
 from s2s_rt.pipeline.ports import EventTooLarge
 from s2s_rt.server import internals
 from s2s_rt.server.playout import CallEnded
-from s2s_rt.server.webrtc_audio import HEARD_FORMAT, Playback, hear_on_the_loop, hold_less, mono_pcm16
+from s2s_rt.server.webrtc_audio import HEARD_FORMAT, Playback, hear_on_the_loop, mono_pcm16, release_at_once
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +162,7 @@ class Call:
             raise ValueError("the offer has no audio track")
         audio[0].sender.replaceTrack(self.playback)
         audio[0].direction = "sendrecv"
-        hold_less(audio[0].receiver)
+        release_at_once(audio[0].receiver)
         # Its audio is decoded as it comes, on the loop (else aiortc's thread delivers it to the track: _listen).
         hear_on_the_loop(audio[0].receiver, self._heard, self.end, self.id)
         answer = await self.pc.createAnswer()

@@ -12,9 +12,10 @@ most of the time:
   play it sends nothing (as after Opus DTX: RTP time runs on, and receivers
   play nothing between two talkspurts); what it plays goes a few frames
   ahead of real time, so that the receiver's jitter buffer does not wait.
-- **In:** each packet aiortc's jitter buffer releases is decoded on the loop
-  as it comes, straight to mono, and heard, where aiortc would pass it to a
-  thread of its own and each decoded frame back to the loop and a task.
+- **In:** each packet is released by the receiver's jitter buffer as it
+  comes (:class:`InOrder`), decoded on the loop, straight to mono, and heard,
+  where aiortc would hold it for the next, pass it to a thread of its own
+  and each decoded frame back to the loop and a task.
   The answer asks the caller for Opus DTX (``usedtx=1``): a browser then
   sends one packet in 400 ms while its user is silent, not 50 a second, and
   the gaps are heard as silence on the server's clock (:class:`Hearing`), so
@@ -29,7 +30,6 @@ import asyncio
 import fractions
 import functools
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -39,7 +39,7 @@ import av
 import numpy as np
 import numpy.typing as npt
 from aiortc.codecs import get_decoder
-from aiortc.jitterbuffer import JitterBuffer
+from aiortc.jitterbuffer import JitterBuffer, JitterFrame
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 from av import AudioFrame, CodecContext, Packet
 
@@ -62,9 +62,9 @@ OPUS_BITRATE = 32_000
 #: What the caller's Opus decodes to, as the listening clock takes it: mono PCM16 at 48 kHz (libopus
 #: through FFmpeg decodes at 48 kHz only).
 HEARD_FORMAT = AudioFormat("audio/pcm", 48_000)
-#: Packets aiortc's receiver holds before it decodes one: its own default is 4 (80 ms more before the
-#: server hears each word's end); 1 still puts packets back in order when the next one has come.
-RECEIVE_PREFETCH = int(os.environ.get("S2S_RT_CALL_PREFETCH", "1"))
+#: A packet this many sequence numbers or fewer before the newest is late (or a copy): dropped. Further back,
+#: the caller's stream began again (aiortc's own bound for misordered packets).
+MAX_MISORDER = 100
 #: A caller's packets stopped this long ago: the time since is heard as silence (DTX, or packets lost), up to
 #: :data:`GAP_MARGIN_S` ago (a packet late by that much is still heard as it came), and again this often
 #: until they come back.
@@ -317,15 +317,34 @@ def hear_on_the_loop(receiver: Any, heard: Callable[[bytes], None], end: Callabl
     return True
 
 
-def hold_less(receiver: Any) -> None:
-    """Give a call's audio receiver a jitter buffer that holds :data:`RECEIVE_PREFETCH` packets.
+class InOrder(JitterBuffer):
+    """A call's audio receiver's jitter buffer: each packet is released as it comes, one frame each, unless it
+    is older than the newest (late, or a copy), which is dropped.
 
-    aiortc fixes it at four packets and offers no setting; its buffer is
-    replaced before the first packet arrives (where aiortc no longer allows
-    it, the receiver keeps its own).
+    aiortc's buffer, made for video frames of many packets, releases a frame only once a packet of the next
+    has come (a talkspurt's last packet waits for the next DTX packet, 400 ms), holds ``prefetch`` frames
+    (4 by default, 80 ms before each word's end is heard), and releases at most one frame per packet added:
+    after a single lost packet it waits until 16 have come, and stays 14 packets (280 ms) behind for the
+    rest of the call. Here a lost packet's time is heard as silence (:class:`Hearing`) when the next comes.
     """
+
+    def __init__(self) -> None:
+        super().__init__(capacity=16)
+        self._next: int | None = None
+
+    def add(self, packet: Any) -> tuple[bool, JitterFrame | None]:
+        seq = packet.sequence_number
+        if self._next is not None and 0 < (self._next - seq) & 0xFFFF <= MAX_MISORDER:
+            return False, None
+        self._next = (seq + 1) & 0xFFFF
+        return False, JitterFrame(getattr(packet, internals.DEPAYLOADED), packet.timestamp)
+
+
+def release_at_once(receiver: Any) -> None:
+    """Give a call's audio receiver the :class:`InOrder` jitter buffer, before its first packet comes (aiortc
+    offers no setting; where it no longer allows this, the receiver keeps its own)."""
     if internals.jitter_buffer_replaceable(receiver):
-        setattr(receiver, internals.JITTER_BUFFER, JitterBuffer(capacity=16, prefetch=RECEIVE_PREFETCH))
+        setattr(receiver, internals.JITTER_BUFFER, InOrder())
 
 
 def mono_pcm16(frame: AudioFrame) -> bytes:
