@@ -235,8 +235,9 @@ class Hearing:
                 # (a packet lost between at most), say the caller is streaming, behind what was heard: it
                 # paused and went on with the next RTP time. The gap's silence then waits for it, and it is
                 # heard again once its time passes what was heard, not never (the silence running on ahead
-                # of it on the loop's clock). One such packet is not enough: the jitter buffer releases a
-                # talkspurt's last packet only with the next, a DTX packet 400 ms later.
+                # of it on the loop's clock). One such packet is not enough: a talkspurt's last packet held
+                # up on the network, or by aiortc's own jitter buffer where it could not be replaced (which
+                # releases it only with the next, a DTX packet 400 ms later), is one late packet.
                 follows = 0 <= _signed(start - self._behind_to) <= _signed(end - start)
                 self._behind, self._behind_to = (self._behind + 1 if follows else 0), end
                 if self._behind >= BEHIND_PACKETS:
