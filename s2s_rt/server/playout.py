@@ -226,10 +226,9 @@ class Pacer:
             if wait > 0:
                 await asyncio.sleep(wait)
             elif wait < -STALL_S:
-                # The loop fell behind (a stall): go on from now, and RTP time with it (a gap, as after lost
-                # packets). Kept consecutive, a microphone's time would fall behind for the rest of the call.
-                self.index = max(self.index, self._first + int((now - self._began) / self.frame_s))
-                self._began, self._first = now, self.index
+                # The loop fell behind (a stall): the talkspurt begins again from now, and RTP time with it (a
+                # gap, as after lost packets). Kept consecutive, a microphone's time would fall behind for good.
+                self._begin(now)
         was_idle = playout.idle
         frame = playout.next_frame()
         if self.hangover is not None and playout.idle:
