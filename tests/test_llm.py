@@ -185,6 +185,40 @@ def test_concurrent_streams_share_one_model(default_llm: CT2ChatLLM) -> None:
     assert all("Paris" in results[i] for i in range(2))
 
 
+def test_answers_asked_while_the_model_is_busy_are_decoded_together_and_each_answers_its_own_question(
+    default_llm: CT2ChatLLM,
+) -> None:
+    """Three sessions ask while the model is busy: once it frees, their answers are decoded in one call."""
+    questions = {"France": "Paris", "Italy": "Rome", "Japan": "Tokyo"}
+    results: dict[str, str] = {}
+    lanes = default_llm.lanes
+    calls, together = lanes.answer_calls, lanes.answers_together
+    release, held = threading.Event(), threading.Event()
+
+    def busy() -> None:
+        with lanes.take(False, _never):
+            held.set()
+            release.wait(10)
+
+    def ask(country: str) -> None:
+        results[country] = answer(default_llm, [ChatMessage("user", f"What is the capital of {country}?")])
+
+    holder = threading.Thread(target=busy)
+    holder.start()
+    assert held.wait(10)
+    threads = [threading.Thread(target=ask, args=(country,)) for country in questions]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 10
+    while lanes.waiting(False) < len(questions) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    release.set()
+    for thread in (holder, *threads):
+        thread.join(timeout=60)
+    assert all(capital in results[country] for country, capital in questions.items()), results
+    assert lanes.answer_calls - calls == 1 and lanes.answers_together - together == 3
+
+
 def test_a_long_conversation_is_cut_to_fit_the_context(tiny_llm: CT2ChatLLM, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(tiny_llm, "context_tokens", 256)
     llm = tiny_llm

@@ -301,6 +301,7 @@ class KeepsPrefixes(Protocol):
     prefixes: Any
     reloads: int
     turns: Any
+    lanes: Any
 
 
 class LLMError(Exception):

@@ -26,7 +26,7 @@ from s2s_rt.engines.chat_formats import ChatFormat
 from s2s_rt.engines.function_choice import call_opening, choose
 from s2s_rt.engines.kept_state import MIN_KEPT_TOKENS, PROBE, KeptStateCheck, check_kept_state
 from s2s_rt.engines.llm_lanes import LONG_READING_TOKENS, Lanes, never
-from s2s_rt.engines.llm_turns import SENTENCE_END, AnswerTurn, Turns, token_steps
+from s2s_rt.engines.llm_turns import SENTENCE_END, AnswerTurn, Turns
 from s2s_rt.engines.prompt_cache import ConversationPrefixes, StaticPrefixes
 from s2s_rt.engines.tokenizing import TextStream, begin_ids, load_tokenizer, read_json, read_vocabulary
 from s2s_rt.memory import release_freed_memory
@@ -295,40 +295,40 @@ class CT2ChatLLM:
         try:
             while True:
                 ended = False
-                with self.lanes.take(long, should_stop) as got:
-                    if not got:
-                        return
-                    steps = token_steps(
-                        generator,
-                        [self._vocabulary[i] for i in prompt + said],
-                        static_prompt=static_tokens,
-                        max_length=max_tokens - len(said),
-                        sampling_topk=1 if greedy else SAMPLING_TOP_K,
-                        sampling_topp=1.0 if greedy else SAMPLING_TOP_P,
-                        sampling_temperature=1.0 if greedy else temperature,
-                        repetition_penalty=self._repetition_penalty,
-                        end_token=self._end_ids,
-                        callback=place.after_token,
-                    )
-                    try:
-                        for step in steps:
-                            if should_stop():
-                                return
-                            if step.token_id in self._end_ids:
-                                ended = True
-                                break
-                            said.append(step.token_id)
-                            usage.output_tokens += 1
-                            piece = text.push(step.token_id)
-                            if framing is not None:
-                                piece = framing.feed(piece)
-                            if piece:
-                                yield piece
-                            place.took(len(said))
-                    finally:
-                        # Closing tells CTranslate2 to stop at its next token and waits for it.
-                        steps.close()
-                        gave_way_to = turns.entered
+                steps = self.lanes.steps(
+                    generator,
+                    long,
+                    [self._vocabulary[i] for i in prompt + said],
+                    should_stop=should_stop,
+                    urgent=lambda: place.waiting,
+                    callback=place.after_token,
+                    max_length=max_tokens - len(said),
+                    static_prompt=static_tokens,
+                    sampling_topk=1 if greedy else SAMPLING_TOP_K,
+                    sampling_topp=1.0 if greedy else SAMPLING_TOP_P,
+                    sampling_temperature=1.0 if greedy else temperature,
+                    repetition_penalty=self._repetition_penalty,
+                    end_token=self._end_ids,
+                )
+                try:
+                    for step in steps:
+                        if should_stop():
+                            return
+                        if step.token_id in self._end_ids:
+                            ended = True
+                            break
+                        said.append(step.token_id)
+                        usage.output_tokens += 1
+                        piece = text.push(step.token_id)
+                        if framing is not None:
+                            piece = framing.feed(piece)
+                        if piece:
+                            yield piece
+                        place.took(len(said))
+                finally:
+                    # Closing tells CTranslate2 to stop this answer at its next token and waits for it.
+                    steps.close()
+                    gave_way_to = turns.entered
                 if ended or len(said) >= max_tokens or should_stop():
                     break
                 # Stopped short of its end: it gave way to answers that have not spoken yet. Resume once those

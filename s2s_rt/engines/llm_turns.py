@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import queue
 import re
 import threading
 import time
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from s2s_rt.engines.base import FirstWordsPause, StopCheck
@@ -95,7 +94,7 @@ class AnswerTurn:
 
     The reader of the answer's tokens calls :meth:`took` after each token
     and :meth:`close` at the end; CTranslate2's worker calls
-    :meth:`after_token` (see :func:`token_steps`).
+    :meth:`after_token` (see :meth:`~s2s_rt.engines.llm_lanes.Lanes.steps`).
 
     Args:
         turns: the model's turn-taking.
@@ -129,9 +128,10 @@ class AnswerTurn:
         self._said = 0
         self._gives_way_from = 0
 
-    def after_token(self, step: Any, closed: threading.Event) -> bool:
+    def after_token(self, step: Any, closed: threading.Event, beside: int = 0) -> bool:
         """Run in CTranslate2's worker after each token, the token already handed over: True stops the decoding
-        itself (not only our reading of it); it may block, which pauses it."""
+        itself (not only our reading of it); it may block, which pauses it (and the answers decoded beside it).
+        ``beside``: answers waiting for their first words decoded in the same call; it does not give way to them."""
         pause = self._pause
         if pause is not None and step.token_id not in self._end_ids:
             piece = self._decode(step.token_id)
@@ -143,7 +143,7 @@ class AnswerTurn:
                     own=lambda: 1 if self.waiting else 0,
                 )
                 self._pause = None  # once: the first clause only
-        gives_way = not self.waiting and self._said >= self._gives_way_from and self._turns.urgent > 0
+        gives_way = not self.waiting and self._said >= self._gives_way_from and self._turns.urgent > beside
         return self._should_stop() or gives_way
 
     def resumed(self) -> None:
@@ -165,44 +165,3 @@ class AnswerTurn:
         if self.waiting:
             self.waiting = False
             self._turns.leave(self._number)
-
-
-def token_steps(
-    generator: Any, prompt: list[str], *, callback: Callable[[Any, threading.Event], bool], **options: Any
-) -> Generator[Any, None, None]:
-    """``generator.generate_tokens(prompt, **options)``, but each token is handed over before ``callback`` sees it.
-
-    CTranslate2's own calls the callback first: one that pauses the
-    decoding would hold back the token it pauses after.
-    ``callback(step, closed)`` runs in CTranslate2's worker after each
-    token; True stops the decoding, as does closing this generator (which
-    sets ``closed`` and waits for the decoding to end).
-    """
-    steps: queue.SimpleQueue[Any] = queue.SimpleQueue()
-    closed = threading.Event()
-
-    def each(step: Any) -> bool:
-        steps.put(step)
-        return closed.is_set() or callback(step, closed)
-
-    results = generator.generate_batch(
-        [prompt], asynchronous=True, beam_size=1, include_prompt_in_result=False, callback=each, **options
-    )
-
-    def wait() -> None:
-        try:
-            results[0].result()
-        except Exception as exc:  # handed to the reader, which raises it
-            steps.put(exc)
-        steps.put(None)
-
-    waiter = threading.Thread(target=wait, name="s2s-llm-steps", daemon=True)
-    waiter.start()
-    try:
-        while (step := steps.get()) is not None:
-            if isinstance(step, Exception):
-                raise step
-            yield step
-    finally:
-        closed.set()
-        waiter.join()

@@ -360,6 +360,8 @@ class Server:
             "answers_resumed": llm.turns.resumed,
             "answers_paused": llm.turns.held,
             "pauses_run_out": llm.turns.held_out,
+            "answer_calls": llm.lanes.answer_calls,
+            "answers_together": llm.lanes.answers_together,
         }
 
     def _held_bytes(self) -> dict[str, int]:
