@@ -254,6 +254,22 @@ def test_answers_waiting_for_their_first_words_go_before_an_answer_being_heard_t
     assert got == {w: [100 * w + n for n in range(5)] for w in (1, 2, 3)}
 
 
+def test_an_answer_being_heard_passed_over_once_goes_in_the_next_call_with_answers_waiting_for_first_words() -> None:
+    lanes, generator, got = Lanes(), _Generator(step_s=0.1), {}
+    holder, release = _held(lanes)
+    heard = _answer(lanes, generator, 1, got)
+    _until(lambda: lanes.waiting(False) == 1)
+    first = _answer(lanes, generator, 2, got, urgent=True)
+    _until(lambda: lanes.waiting(False) == 2)
+    release.set()
+    _until(lambda: len(generator.calls) == 1)
+    later = _answer(lanes, generator, 3, got, urgent=True)  # while the first call (answer 2 alone) runs, 0.5 s
+    for thread in (holder, heard, first, later):
+        thread.join(5)
+    assert [[len(p) for p in call["prompts"]] for call in generator.calls] == [[2], [1, 3]]
+    assert got == {w: [100 * w + n for n in range(5)] for w in (1, 2, 3)}
+
+
 def test_an_answer_that_stops_fails_or_ends_early_ends_alone_and_the_others_in_its_call_go_on() -> None:
     lanes, generator, got = Lanes(), _Generator(length=6), {}
     holder, release = _held(lanes)
