@@ -223,6 +223,22 @@ def test_answers_waiting_when_the_lane_frees_are_decoded_in_one_call_each_readin
     assert lanes.running(False) == 0
 
 
+def test_answers_whose_prompts_would_hold_too_much_state_together_wait_for_the_next_call() -> None:
+    lanes, generator, got = Lanes(), _Generator(), {}
+    lanes.call_tokens = 10
+    holder, release = _held(lanes)
+    threads = []
+    for words in (4, 5, 6, 12):  # queued in this order
+        threads.append(_answer(lanes, generator, words, got))
+        _until(lambda: lanes.waiting(False) == len(threads))
+    release.set()
+    for thread in (holder, *threads):
+        thread.join(5)
+    # 4 + 5 fit in 10; 6 waits for the next call, 12 alone (a call takes its first answer whatever its length).
+    assert [[len(p) for p in call["prompts"]] for call in generator.calls] == [[4, 5], [6], [12]]
+    assert got == {w: [100 * w + n for n in range(5)] for w in (4, 5, 6, 12)}
+
+
 def test_answers_made_differently_are_decoded_in_calls_of_their_own() -> None:
     lanes, generator, got = Lanes(), _Generator(), {}
     holder, release = _held(lanes)

@@ -46,6 +46,10 @@ LONG_READING_TOKENS = 512
 _STOP_CHECK_S = 0.05
 #: The most answers decoded in one call. Eight still cost about 1.5 times one a step (see the module's text).
 MOST_ANSWERS = 8
+#: The most prompt tokens (kept state included) of the answers in one call, past its first: each answer's model
+#: state is held for the call (168 KB a token for the default model), and what a call held stays mapped.
+#: Without it, a fuzz run of hostile sessions grew the server by 310-592 MB against 131-270 MB before batching.
+CALL_TOKENS = 2048
 
 #: Runs in CTranslate2's worker after each of an answer's tokens (the token already handed over):
 #: ``(step, closed, beside)``, where ``closed`` is set once its reader stops reading and ``beside`` is how many
@@ -72,6 +76,8 @@ class _Ride:
     decoded: int = 0
     #: Calls that began without it while it waited.
     passed_over: int = 0
+    #: Prompt tokens, kept state included.
+    tokens: int = 0
 
 
 class Lanes:
@@ -94,6 +100,7 @@ class Lanes:
         self.answer_calls = 0
         self.answers_together = 0
         self.most_answers = MOST_ANSWERS
+        self.call_tokens = CALL_TOKENS
 
     def running(self, long: bool) -> int:
         """Calls in the lane now."""
@@ -155,7 +162,7 @@ class Lanes:
         Waits, in order of arrival, for the lane; once it frees, the first
         answer waiting takes it with every answer waiting that is made
         alike (``generator``, ``static_prompt``, ``options``; at most
-        :data:`MOST_ANSWERS`), and while any of them waits for its first
+        :data:`MOST_ANSWERS` and :data:`CALL_TOKENS`), and while any of them waits for its first
         words (``urgent``), with only those and the answers already passed
         over once. Yields nothing when
         ``should_stop`` comes true first. Each step is handed over before
@@ -165,7 +172,7 @@ class Lanes:
         every answer in it has ended.
         """
         key = (id(generator), tuple(static_prompt) if static_prompt else None, _frozen(options))
-        ride = _Ride(prompt, max_length, callback, key, urgent)
+        ride = _Ride(prompt, max_length, callback, key, urgent, tokens=len(prompt) + len(static_prompt or ()))
         waiting = self._waiting[long]
         with self._changed:
             waiting.append(ride)
@@ -201,8 +208,13 @@ class Lanes:
         alike = [r for r in self._waiting[long] if isinstance(r, _Ride) and r.key == first.key]
         # Answers waiting for their first words go first, but an answer being heard is passed over once at most:
         # answers asked one after another would otherwise hold it for good (8 talkers: stalls of 4.4-7.9 s at p95).
-        board = [r for r in alike if r.urgent() or r.passed_over] or alike
-        board = board[: self.most_answers]
+        board: list[_Ride] = []
+        tokens = 0
+        for ride in [r for r in alike if r.urgent() or r.passed_over] or alike:
+            if len(board) == self.most_answers or (board and tokens + ride.tokens > self.call_tokens):
+                break
+            board.append(ride)
+            tokens += ride.tokens
         for ride in alike:
             ride.passed_over += ride not in board
         for ride in board:
