@@ -161,10 +161,10 @@ class Lanes:
 
         Waits, in order of arrival, for the lane; once it frees, the first
         answer waiting takes it with every answer waiting that is made
-        alike (``generator``, ``static_prompt``, ``options``; at most
-        :data:`MOST_ANSWERS` and :data:`CALL_TOKENS`), and while any of them waits for its first
-        words (``urgent``), with only those and the answers already passed
-        over once. Yields nothing when
+        alike (``generator``, ``static_prompt``, ``options``), at most
+        :data:`MOST_ANSWERS` and :data:`CALL_TOKENS`; while any of them
+        waits for its first words (``urgent``), with only those and the
+        answers already passed over once. Yields nothing when
         ``should_stop`` comes true first. Each step is handed over before
         ``callback`` sees it; True from it, the answer's last token, or
         closing this generator (which waits for the answer's next token)
