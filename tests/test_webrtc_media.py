@@ -440,3 +440,25 @@ def _dropped(server: Any) -> float:
 
 async def _pool_has(server: Any, free: int) -> bool:
     return bool(server.pool.free == free)
+
+
+def test_a_callers_silence_is_heard_without_decoding_and_as_decoding_every_packet_would() -> None:
+    """A caller sending silence every 20 ms sends the same packet again and again: once it has settled, it is
+    heard without being decoded, and what is heard, the silence and the speech after it, is what decoding
+    every packet makes of them."""
+    from s2s_rt.server.webrtc_audio import decoder
+
+    stream = silence(1.0) + tone(300, 0.2) + silence(0.4) + tone(500, 0.1) + silence(0.2)
+    packets = _opus_packets(np.frombuffer(stream, dtype="<i2"))
+    # And one packet of speech four times over: the same packet, but not the same sound each time.
+    packets[55:56] = [packets[55]] * 4
+    reference = CodecContext.create("libopus", "r")
+    reference.format, reference.layout, reference.sample_rate = "s16", "mono", 48_000
+    expected = [b"".join(bytes(f.planes[0])[: 2 * f.samples] for f in reference.decode(Packet(p))) for p in packets]
+    heard = decoder(OPUS)
+    got = [heard(JitterFrame(packet, i * OPUS_FRAME)) for i, packet in enumerate(packets)]
+    assert got == expected
+    # 80 frames of silence in three runs: the encoder's first (a hiss of 32-byte packets) settles after a few,
+    # those after each talkspurt at once (3 bytes each); each run's packet is decoded once more before speech.
+    assert heard.skipped >= 60 and heard.decoded + heard.skipped == len(packets) + 2, (heard.decoded, heard.skipped)
+    assert len(set(got[55:59])) == 4 and np.abs(np.frombuffer(got[58], dtype="<i2")).max() > 1000
