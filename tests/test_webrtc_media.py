@@ -462,3 +462,36 @@ def test_a_callers_silence_is_heard_without_decoding_and_as_decoding_every_packe
     # those after each talkspurt at once (3 bytes each); each run's packet is decoded once more before speech.
     assert heard.skipped >= 60 and heard.decoded + heard.skipped == len(packets) + 2, (heard.decoded, heard.skipped)
     assert len(set(got[55:59])) == 4 and np.abs(np.frombuffer(got[58], dtype="<i2")).max() > 1000
+
+
+def test_a_microphone_sending_silence_encodes_it_only_until_it_has_settled() -> None:
+    """The load script's and the tests' callers send silence every 20 ms: once the encoder makes the same
+    packet twice, that packet is sent again without encoding, and sound after it is encoded as sound."""
+
+    class Counting:
+        def __init__(self, inner: Any) -> None:
+            self.inner, self.calls = inner, 0
+
+        def encode(self, frame: Any) -> Any:
+            self.calls += 1
+            return self.inner.encode(frame)
+
+    mic = Playback(send_silence=True)
+    counting = Counting(mic._encoder)
+    mic._encoder = counting
+    samples = np.frombuffer(silence(1.0) + tone(300, 0.2) + silence(0.4), dtype="<i2")
+    frames = samples.reshape(-1, 480)
+    sent = [mic._encode(frame, i) for i, frame in enumerate(frames)]
+    assert all(p is not None and p.pts == i * OPUS_FRAME for i, p in enumerate(sent))
+    data = [bytes(p) for p in sent if p is not None]
+    # Silent, it sends what encoding each frame would (the same packet), and encodes few of its 70 silent frames
+    # (the 10 of sound and one silent frame before them are encoded).
+    reference = _opus_packets(np.frombuffer(silence(1.0), dtype="<i2"))
+    assert data[:50] == reference
+    assert 11 <= counting.calls <= 25, counting.calls
+    # The sound after the silence is heard as sound, and the silence after it as silence again.
+    context = CodecContext.create("libopus", "r")
+    context.format, context.layout, context.sample_rate = "s16", "mono", 48_000
+    heard = [np.concatenate([f.to_ndarray().reshape(-1) for f in context.decode(Packet(d))]) for d in data]
+    assert all(np.abs(pcm).max() > 1000 for pcm in heard[52:59])
+    assert len(set(data[-10:])) == 1 and all(np.abs(pcm).max() <= 2 for pcm in heard[-10:])

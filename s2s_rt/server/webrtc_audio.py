@@ -106,6 +106,11 @@ class Playback(Playout, MediaStreamTrack):
         self.dtx = dtx
         self._silent = 0
         self._encoder = opus_encoder()
+        #: What the encoder makes of a silent frame once it has made the same of two in a row (it has settled),
+        #: and whether such frames went unencoded since (see :meth:`_encode`).
+        self._settled: bytes | None = None
+        self._last_silent: bytes | None = None
+        self._owed = False
         # A microphone sends every 20 ms, in real time; the server's answers go ahead (the Pacer's defaults).
         self._pacer = Pacer(self, lead=0, hangover=None) if send_silence else Pacer(self)
 
@@ -130,14 +135,41 @@ class Playback(Playout, MediaStreamTrack):
                 return packet
 
     def _encode(self, samples: npt.NDArray[np.int16], index: int) -> Packet[Any] | None:
+        """One frame as an Opus packet stamped with its RTP time (None: the encoder gave none).
+
+        A silent frame, once the encoder has made the same packet of two in a row, is that packet again,
+        not encoded: a microphone sending silence (the load script's callers: 157 µs a frame encoded, 2.5
+        not) costs its machine little, and its packets while silent are the same. Before the next frame of
+        sound one silent frame is encoded. The encoder adapts over longer than that, so the first frames of
+        sound after a silence are encoded a little differently from encoding every frame would (in a test,
+        40 dB below the sound).
+        """
+        silent = not samples.any()
+        if silent and self._settled is not None:
+            self._owed = True
+            return self._stamped(Packet(self._settled), index)
+        if self._owed:
+            self._owed = False
+            self._encoder.encode(self._frame(np.zeros_like(samples), index - 1))
+        packets = self._encoder.encode(self._frame(samples, index))
+        if not packets:
+            return None
+        packet: Packet[Any] = packets[0]
+        data = bytes(packet) if silent else None
+        self._settled = data if data is not None and data == self._last_silent else None
+        self._last_silent = data
+        return self._stamped(packet, index)
+
+    @staticmethod
+    def _frame(samples: npt.NDArray[np.int16], index: int) -> AudioFrame:
         frame = AudioFrame.from_ndarray(samples.reshape(1, -1), format="s16", layout="mono")
         frame.sample_rate = PLAY_RATE
         frame.pts = index * FRAME_SAMPLES
         frame.time_base = PLAY_TIME_BASE
-        packets = self._encoder.encode(frame)
-        if not packets:
-            return None
-        packet: Packet[Any] = packets[0]
+        return frame
+
+    @staticmethod
+    def _stamped(packet: Packet[Any], index: int) -> Packet[Any]:
         packet.pts = index * OPUS_FRAME
         packet.time_base = OPUS_TIME_BASE
         return packet
