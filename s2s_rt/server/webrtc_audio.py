@@ -147,7 +147,7 @@ class Playback(Playout, MediaStreamTrack):
         silent = not samples.any()
         if silent and self._settled is not None:
             self._owed = True
-            return self._stamped(Packet(self._settled), index)
+            return _stamped(Packet(self._settled), index * OPUS_FRAME)
         if self._owed:
             self._owed = False
             self._encoder.encode(self._frame(np.zeros_like(samples), index - 1))
@@ -158,7 +158,7 @@ class Playback(Playout, MediaStreamTrack):
         data = bytes(packet) if silent else None
         self._settled = data if data is not None and data == self._last_silent else None
         self._last_silent = data
-        return self._stamped(packet, index)
+        return _stamped(packet, index * OPUS_FRAME)
 
     @staticmethod
     def _frame(samples: npt.NDArray[np.int16], index: int) -> AudioFrame:
@@ -168,11 +168,12 @@ class Playback(Playout, MediaStreamTrack):
         frame.time_base = PLAY_TIME_BASE
         return frame
 
-    @staticmethod
-    def _stamped(packet: Packet[Any], index: int) -> Packet[Any]:
-        packet.pts = index * OPUS_FRAME
-        packet.time_base = OPUS_TIME_BASE
-        return packet
+
+def _stamped(packet: Packet[Any], pts: int) -> Packet[Any]:
+    """``packet`` at ``pts`` on Opus's 48 kHz RTP clock."""
+    packet.pts = pts
+    packet.time_base = OPUS_TIME_BASE
+    return packet
 
 
 def opus_encoder() -> Any:
@@ -368,11 +369,8 @@ class OpusHeard:
         return pcm
 
     def _decode(self, data: bytes, timestamp: int) -> bytes:
-        packet = Packet(data)
-        packet.pts = timestamp
-        packet.time_base = OPUS_TIME_BASE
         self.decoded += 1
-        return b"".join(mono_pcm16(frame) for frame in self._context.decode(packet))
+        return b"".join(mono_pcm16(frame) for frame in self._context.decode(_stamped(Packet(data), timestamp)))
 
 
 def _signed(ticks: int) -> int:
