@@ -317,6 +317,46 @@ def test_appends_arriving_with_a_format_change_in_one_read_are_heard_in_the_new_
     run(scenario(), timeout=30)
 
 
+def test_a_clear_and_a_commit_read_with_appends_act_on_the_audio_before_them_and_no_more() -> None:
+    """The buffer's commands take the direct route too: each must act once the audio sent before it is heard,
+    neither on less (what waits to be heard) nor on more (what the client sent after it)."""
+
+    def frame(event: dict[str, Any]) -> bytes:
+        return json.dumps(event).encode()
+
+    def appends(pcm: bytes) -> list[bytes]:
+        return [
+            frame({"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm[i : i + 4800]).decode()})
+            for i in range(0, len(pcm), 4800)
+        ]
+
+    async def scenario() -> None:
+        async with live_server() as server:
+            async with RealtimeClient.connect(server, transcribe=True) as c:
+                await c.send("session.update", session={"turn_detection": None})
+                await c.until("session.updated")
+                burst = [
+                    *appends(tone(440, 0.5)),
+                    frame({"type": "input_audio_buffer.clear", "event_id": "clear-1"}),
+                    frame({"type": "input_audio_buffer.commit", "event_id": "commit-empty"}),
+                    *appends(tone(440, 0.3)),
+                    frame({"type": "input_audio_buffer.commit", "event_id": "commit-1"}),
+                    *appends(tone(440, 0.2)),
+                ]
+                # Every frame in one write, so that the server parses them in one read, ahead of the clock.
+                for data in burst:
+                    c.ws.protocol.send_text(data)
+                c.ws.send_data()
+                await c.until("input_audio_buffer.cleared")
+                refused = await c.until("error")
+                assert refused["error"]["code"] == "input_audio_buffer_commit_empty"
+                assert refused["error"]["event_id"] == "commit-empty"
+                heard = await c.until("conversation.item.input_audio_transcription.completed")
+                assert heard["transcript"].startswith("heard 300 ms")
+
+    run(scenario(), timeout=30)
+
+
 def test_a_failure_on_the_direct_route_leaves_the_frame_to_the_usual_way(monkeypatch: pytest.MonkeyPatch) -> None:
     from s2s_rt.pipeline.dispatch import Dispatcher
 

@@ -19,6 +19,10 @@ if TYPE_CHECKING:
 
 
 _APPEND = labels_key(type="input_audio_buffer.append")
+_BUFFER_COMMANDS = {
+    ce.InputAudioBufferClear: ("clear", labels_key(type="input_audio_buffer.clear")),
+    ce.InputAudioBufferCommit: ("commit", labels_key(type="input_audio_buffer.commit")),
+}
 
 
 class Dispatcher:
@@ -74,10 +78,12 @@ class Dispatcher:
             await stage.outbox.error(exc)
 
     def receive_now(self, message: bytes | bytearray | memoryview) -> bool:
-        """Handle an audio append at once, if nothing about it needs waiting; else leave it (False).
+        """Handle an audio append, commit or clear at once, if nothing about it needs waiting; else leave it (False).
 
         For the receive path's direct route: only a valid append whose audio
-        is taken goes through here. Anything else, or anything that fails,
+        is taken, and the buffer's commands that follow it to the listening
+        clock (a probe's or a push-to-talk's ``clear`` and ``commit`` wait
+        for no task to wake), go through here. Anything else, or anything that fails,
         returns False untouched, and :meth:`receive` handles it in full
         (decoding it again, reporting what is wrong). The frame's bytes are
         decoded as they are: JSON decoding checks their UTF-8.
@@ -86,11 +92,17 @@ class Dispatcher:
             event = ce.decode_client_event(message)
         except ProtocolError:
             return False
-        if type(event) is not ce.InputAudioBufferAppend:
-            return False
         ctx = self.serving()
         if ctx is None:
             return False
+        if type(event) is not ce.InputAudioBufferAppend:
+            command = _BUFFER_COMMANDS.get(type(event))
+            if command is None:
+                return False
+            name, counted = command
+            self.listener.command(ctx, BufferCommand(ctx.session.scope, name, event.event_id))
+            self.stage.metrics.events_in.add(counted)
+            return True
         try:
             if not self._append(ctx, event):
                 return False

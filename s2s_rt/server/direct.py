@@ -5,7 +5,7 @@ set, a task woken, an async generator stepped, per message. At 50 appends a
 second per session that machinery was a large part of the event loop's time
 per append. :class:`DirectConnection` offers each complete text frame, as it
 is parsed, to a synchronous handler first; the handler takes what it can do
-without waiting (an audio append) and declines the rest, which goes the
+without waiting (an audio append, the buffer's clear and commit) and declines the rest, which goes the
 usual way, to ``recv()``. Order is kept: a frame is offered only while no
 earlier message waits in the queue or is still being handled there.
 
