@@ -1,4 +1,4 @@
-"""Giving freed memory back to the system.
+"""Giving freed memory back to the system, and collecting cyclic garbage seldom.
 
 glibc keeps freed heap memory for reuse, and after a large block is freed
 it raises its mmap threshold, so the next large buffers (a big append, a
@@ -6,12 +6,26 @@ long answer) come from the heap too and stay resident after they are freed.
 A session's big buffers would then keep the process's RSS up for good.
 :func:`release_freed_memory` asks glibc to return what it can (at most once
 a second); elsewhere it does nothing.
+
+CPython's cyclic collector runs its young generation every 700 tracked
+allocations. At 250 listening sessions that was ten collections a second,
+each promoting the short-lived objects it caught (a tick's audio, its
+results) towards the old generation, whose full pass then came every 15 s
+or so and held the interpreter 30-70 ms: every session's audio waited.
+:func:`collect_seldom` makes the young generation wait for
+:data:`YOUNG_ALLOCATIONS`: what dies young is freed by reference counting
+long before, nothing short-lived reaches the old generation, and a full
+pass comes rarely. An ended session does not wait for the collector:
+nothing of it is in a reference cycle, so it is freed when its slot lets go
+of it (``test_nothing_of_a_session_stays_referenced_after_it_ends`` checks
+it with the collector off).
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 import threading
 import time
 
@@ -45,3 +59,37 @@ def release_freed_memory(min_interval_s: float = 1.0, *, background: bool = Fals
     else:
         _trim(0)
     return True
+
+
+#: Tracked allocations (less those freed) between two collections of the young generation (CPython's own: 700).
+#: At 250 listening sessions: 4 young collections in 45 s, 3-6 ms each, and no full pass, against some 300-700
+#: young, 25-60 middle and 2-5 full passes of 30-70 ms (BENCHMARKS.md, "Where a listening tick's time goes").
+YOUNG_ALLOCATIONS = 20_000
+
+_seldom_lock = threading.Lock()
+#: Who asked for seldom collections and has not given them back, and the thresholds before the first asked.
+_seldom_holders = 0
+_thresholds_before: tuple[int, int, int] | None = None
+
+
+def collect_seldom() -> None:
+    """Collect the young generation every :data:`YOUNG_ALLOCATIONS` tracked allocations (a server while it runs;
+    undone by :func:`collect_as_before` once every caller has called it)."""
+    global _seldom_holders, _thresholds_before
+    with _seldom_lock:
+        if _seldom_holders == 0:
+            _thresholds_before = gc.get_threshold()
+            gc.set_threshold(max(YOUNG_ALLOCATIONS, _thresholds_before[0]), *_thresholds_before[1:])
+        _seldom_holders += 1
+
+
+def collect_as_before() -> None:
+    """Give back one :func:`collect_seldom`; the last one given back restores the thresholds it found."""
+    global _seldom_holders, _thresholds_before
+    with _seldom_lock:
+        if _seldom_holders == 0:
+            return
+        _seldom_holders -= 1
+        if _seldom_holders == 0 and _thresholds_before is not None:
+            gc.set_threshold(*_thresholds_before)
+            _thresholds_before = None

@@ -47,8 +47,9 @@ class Scope:
         self.reason: str | None = None
         self._callbacks: list[Callable[[], object]] = []
         self._tasks: set[asyncio.Task[Any]] = set()
-        #: Told when a task of this scope (or of one inside it) raises; set on a session's scope.
-        self.on_failure: Callable[[BaseException], object] | None = None
+        #: Told when a task of this scope (or of one inside it) raises, with this scope; set on a session's scope.
+        #: It is given the scope rather than holding it: a handler that held its scope would make a cycle.
+        self.on_failure: Callable[[BaseException, Scope], object] | None = None
         if parent is not None:
             parent.on_close(self._parent_closed)
 
@@ -130,11 +131,12 @@ class Scope:
 
     def fail(self, exc: BaseException) -> None:
         """Report a failure of this scope's work to the outermost scope's ``on_failure``."""
-        handler = self.outermost.on_failure
+        outermost = self.outermost
+        handler = outermost.on_failure
         if handler is None:
             log.error("%s: work failed", self.name, exc_info=exc)
         else:
-            handler(exc)
+            handler(exc, outermost)
 
     def _parent_closed(self) -> None:
         self.close(f"{self.parent.name if self.parent else 'parent'} closed")

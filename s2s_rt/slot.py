@@ -291,15 +291,8 @@ class Slot:
             self.max_input_queue_bytes,
         )
         # A task of this session that raises ends this session, and only it.
-        session.scope.on_failure = lambda exc: self.fail(exc, "a task of the session", session.scope)
+        session.scope.on_failure = lambda exc, scope: self.fail(exc, "a task of the session", scope)
         self._outbox.attach(channel, session, client, self._ctx.timings)
-
-        def played(kind: str, response_id: str) -> None:
-            # output_audio_buffer.started / stopped, from where the audio plays (a call's track).
-            if not session.scope.stale:
-                self._outbox.emit_nowait([session.output_audio_buffer(kind, response_id)], session.scope)
-
-        channel.playback.notify = played
         self.sessions_served += 1
         self._drained.clear()
         port = SessionPort(self, self._ctx)

@@ -168,6 +168,9 @@ def test_conversation_past_its_budget_drops_its_oldest_items_and_tells_the_clien
 
 
 def test_nothing_of_a_session_stays_referenced_after_it_ends() -> None:
+    """Freed when its slot lets go of it, by reference counting alone: not left to the cyclic collector, which may
+    come minutes later."""
+
     async def scenario() -> None:
         async with live_server(pool_size=1) as server:
             async with RealtimeClient.connect(server) as c:
@@ -176,12 +179,17 @@ def test_nothing_of_a_session_stays_referenced_after_it_ends() -> None:
                 await c.append_audio(tone(300, 0.5) + bytes(48_000))
                 await c.until("response.done")
                 slot = server.pool.slots[0]
-                assert slot.session is not None
-                session = weakref.ref(slot.session)
-            assert await eventually(lambda: _idle(server))
-            await asyncio.sleep(0.1)
+                context = weakref.ref(slot.serving())  # type: ignore[arg-type]
+                session = weakref.ref(context().session)  # type: ignore[union-attr]
             gc.collect()
-            assert session() is None, gc.get_referrers(session())
+            gc.disable()
+            try:
+                assert await eventually(lambda: _idle(server))
+                await asyncio.sleep(0.1)
+                assert context() is None, gc.get_referrers(context())
+                assert session() is None, gc.get_referrers(session())
+            finally:
+                gc.enable()
 
     run(scenario())
 
@@ -395,3 +403,28 @@ def test_forwarded_for_is_believed_only_from_trusted_proxies() -> None:
                 assert not await connects(server, "198.51.100.1")
 
     run(scenario())
+
+
+def test_a_server_collects_cyclic_garbage_seldom_while_it_runs_and_gives_the_thresholds_back() -> None:
+    """An application embedding servers gets its collector back as it was once the last of them has closed."""
+    from s2s_rt.memory import YOUNG_ALLOCATIONS
+
+    found = gc.get_threshold()
+    before = (700, 10, 10)  # CPython's own, whatever an earlier test left
+    seldom = (YOUNG_ALLOCATIONS, 10, 10)
+
+    async def scenario() -> None:
+        async with live_server() as first:
+            assert gc.get_threshold() == seldom
+            async with live_server():
+                assert gc.get_threshold() == seldom
+            assert gc.get_threshold() == seldom, "the first server still runs"
+            async with RealtimeClient.connect(first) as c:
+                await c.until("session.created")
+        assert gc.get_threshold() == before
+
+    gc.set_threshold(*before)
+    try:
+        run(scenario())
+    finally:
+        gc.set_threshold(*found)

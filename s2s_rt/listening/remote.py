@@ -43,6 +43,7 @@ import numpy as np
 from s2s_rt.audio import AudioFormat
 from s2s_rt.engines.base import PIPELINE_RATE, VAD, NoiseReduction
 from s2s_rt.listening.hearing import AudioBytes, Heard, Hearing, SessionAudio, Work, hear
+from s2s_rt.memory import collect_seldom
 from s2s_rt.scope import Scope
 
 log = logging.getLogger(__name__)
@@ -346,6 +347,7 @@ def _serve(
     except Exception as exc:
         conn.send(("failed", repr(exc)))
         return
+    collect_seldom()  # a batch's objects die young; the collector must not stall a batch for them
     describe: Callable[[], str] = getattr(vad, "describe", lambda: type(vad).__name__)
     conn.send(("ready", describe()))
     scope = Scope("hearing process")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -75,16 +76,25 @@ class Listener:
         self.chunk = stage.stack.vad.chunk_samples
 
     def speculator_for(self, ctx: SessionContext) -> Speculator:
-        """The speculation of a session this slot takes on."""
-        return Speculator(
-            self.stage,
-            ctx.session,
-            ctx.turns,
-            lambda: ctx.language,
-            lambda events: self._emit(ctx, events),
-            self.semantic,
-            self.speculate_after_ms,
-        )
+        """The speculation of a session this slot takes on.
+
+        The context owns its speculator; the speculator reaches the context
+        only through a weak reference. Were each to hold the other, an ended
+        session would be freed by the cyclic collector, not when its slot
+        lets go of it.
+        """
+        context = weakref.ref(ctx)
+
+        def language() -> str | None:
+            c = context()
+            return c.language if c is not None else None
+
+        def emit(events: list[ServerEvent]) -> None:
+            c = context()
+            if c is not None:
+                self._emit(c, events)
+
+        return Speculator(self.stage, ctx.session, ctx.turns, language, emit, self.semantic, self.speculate_after_ms)
 
     # --- arrival (the receive path) -------------------------------------------
 

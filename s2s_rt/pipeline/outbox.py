@@ -64,11 +64,25 @@ class Outbox:
         self.sending_since: float | None = None
 
     def attach(self, channel: Channel, session: Session, client: str, timings: ResponseTimings) -> None:
-        """Send the events of the session now served: to ``channel``; its responses' turns timed in ``timings``."""
+        """Send the events of the session now served: to ``channel``; its responses' turns timed in ``timings``.
+
+        Where the channel plays the answers' audio itself (a call's track), it
+        tells when a response's audio starts and stops playing: sent as
+        ``output_audio_buffer.started`` / ``stopped`` until :meth:`detach`.
+        """
         self.channel, self.session, self.client, self.timings = channel, session, client, timings
 
+        def played(kind: str, response_id: str) -> None:
+            if not session.scope.stale:
+                self.emit_nowait([session.output_audio_buffer(kind, response_id)], session.scope)
+
+        channel.playback.notify = played
+
     def detach(self) -> None:
-        """The session served is gone: nothing more is sent."""
+        """The session served is gone: nothing more is sent, and its channel (which may outlive it: a connection's
+        objects can wait for the cyclic collector) tells it nothing more, nor holds it."""
+        if self.channel is not None:
+            self.channel.playback.notify = _told_nobody
         self.channel = self.session = None
         self.timings = ResponseTimings()
 
@@ -277,6 +291,10 @@ class Outbox:
         """Seconds the current send has waited for the client to read (0 when none waits)."""
         since = self.sending_since
         return 0.0 if since is None else time.monotonic() - since
+
+
+def _told_nobody(kind: str, response_id: str) -> None:
+    """What a channel's playback tells once its session is gone: nobody."""
 
 
 def _audio_sent(timing: TurnTiming) -> None:

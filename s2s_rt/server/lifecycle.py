@@ -31,6 +31,7 @@ from s2s_rt.engines.base import KeepsPrefixes, Stack
 from s2s_rt.inference import StagePool
 from s2s_rt.listening.clock import ListeningClock
 from s2s_rt.listening.remote import hearing_for
+from s2s_rt.memory import collect_as_before, collect_seldom
 from s2s_rt.metrics import Metrics
 from s2s_rt.server.calls import Calls
 from s2s_rt.server.connection import Connections
@@ -80,6 +81,8 @@ class Server:
         self._deadline: threading.Timer | None = None
         #: Start-up moved every object then alive out of the collector's reach (this server's among them).
         self._froze = False
+        #: This server asked for seldom collections of cyclic garbage (see :func:`~s2s_rt.memory.collect_seldom`).
+        self._seldom = False
 
     # --- lifecycle ---------------------------------------------------------
 
@@ -105,6 +108,9 @@ class Server:
             gc.collect()
             gc.freeze()
             self._froze = True
+        if not self._seldom:
+            collect_seldom()
+            self._seldom = True
         for line in self.stack.description:
             log.info("%s", line)
         self._runner = asyncio.create_task(self._main(), name="s2s-rt-server")
@@ -287,6 +293,9 @@ class Server:
                 # that starts another (a test, an application embedding servers) would keep every stack.
                 self._froze = False
                 gc.unfreeze()
+            if self._seldom:
+                self._seldom = False
+                collect_as_before()
             log.info("s2s-rt stopped")
 
     async def _drain_for_shutdown(self) -> None:
