@@ -19,7 +19,7 @@ from websockets.exceptions import ConnectionClosed
 
 from s2s_rt.budget import ByteBudget
 from s2s_rt.metrics import Metrics
-from s2s_rt.pipeline.ports import Channel, EventTooLarge, close_quickly
+from s2s_rt.pipeline.ports import Channel, EventTooLarge, close_quickly, told_nobody
 from s2s_rt.pipeline.work import CloseRequest, Outgoing, ResponseTimings, SessionEnd, TurnTiming
 from s2s_rt.protocol.errors import RealtimeError, ServerFault
 from s2s_rt.protocol.server_events import AudioDelta, DtmfReceived, ServerEvent, encode_event
@@ -82,7 +82,7 @@ class Outbox:
         """The session served is gone: nothing more is sent, and its channel (which may outlive it: a connection's
         objects can wait for the cyclic collector) tells it nothing more, nor holds it."""
         if self.channel is not None:
-            self.channel.playback.notify = _told_nobody
+            self.channel.playback.notify = told_nobody
         self.channel = self.session = None
         self.timings = ResponseTimings()
 
@@ -291,10 +291,6 @@ class Outbox:
         """Seconds the current send has waited for the client to read (0 when none waits)."""
         since = self.sending_since
         return 0.0 if since is None else time.monotonic() - since
-
-
-def _told_nobody(kind: str, response_id: str) -> None:
-    """What a channel's playback tells once its session is gone: nobody."""
 
 
 def _audio_sent(timing: TurnTiming) -> None:

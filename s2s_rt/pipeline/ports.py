@@ -63,13 +63,17 @@ class Playback(Protocol):
         ...
 
 
+def told_nobody(kind: str, response_id: str) -> None:
+    """A playback's ``notify`` while no session listens: before one is attached, and once it is gone."""
+
+
 class ClientPlays:
     """The playback of a channel whose client plays the audio it is sent (a WebSocket): nothing plays here."""
 
     takes_audio = False
 
     def __init__(self) -> None:
-        self.notify: Callable[[str, str], None] = lambda kind, response_id: None
+        self.notify: Callable[[str, str], None] = told_nobody
 
     def play(self, response_id: str, item_id: str, data: bytes, fmt: AudioFormat) -> None:
         raise AssertionError("the client plays the audio it is sent: nothing is played here")

@@ -22,6 +22,7 @@ import numpy.typing as npt
 from websockets.exceptions import ConnectionClosed
 
 from s2s_rt.audio import AudioFormat, resample
+from s2s_rt.pipeline.ports import told_nobody
 
 #: How far ahead of real time a talkspurt's frames go: its first ``LEAD_FRAMES + 1`` at once, then each
 #: this many frames before its time. A receiver whose jitter buffer holds packets before it plays one
@@ -90,7 +91,7 @@ class Playout:
         self._finished: set[str] = set()
         #: Responses whose remaining audio was cleared: anything of theirs that still comes is dropped.
         self._cleared: set[str] = set()
-        self.notify: Callable[[str, str], None] = lambda kind, response_id: None
+        self.notify: Callable[[str, str], None] = told_nobody
         #: Set whenever audio is queued: a transport that sends nothing while idle waits on it.
         self.queued = asyncio.Event()
 
