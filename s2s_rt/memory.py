@@ -18,7 +18,10 @@ long before, nothing short-lived reaches the old generation, and a full
 pass comes rarely. An ended session does not wait for the collector:
 nothing of it is in a reference cycle, so it is freed when its slot lets go
 of it (``test_nothing_of_a_session_stays_referenced_after_it_ends`` checks
-it with the collector off).
+it with the collector off, and the tests of WebRTC and phone calls check a
+call's session, call and peer connection). What a session hands to a
+library's objects that may sit in cycles of their own reaches it
+:func:`weakly`.
 """
 
 from __future__ import annotations
@@ -28,6 +31,12 @@ import ctypes.util
 import gc
 import threading
 import time
+import weakref
+from collections.abc import Callable
+from typing import Any, ParamSpec, TypeVar, overload
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 _libc: ctypes.CDLL | None
 try:
@@ -93,3 +102,26 @@ def collect_as_before() -> None:
         if _seldom_holders == 0 and _thresholds_before is not None:
             gc.set_threshold(*_thresholds_before)
             _thresholds_before = None
+
+
+@overload
+def weakly(method: Callable[P, object]) -> Callable[P, None]: ...
+@overload
+def weakly(method: Callable[P, R], gone: R) -> Callable[P, R]: ...
+
+
+def weakly(method: Callable[P, Any], gone: Any = None) -> Callable[P, Any]:
+    """``method``, called through a weak reference to its object: once the object is gone, a call returns ``gone``.
+
+    For a callback that an object hands to objects it does not own, which may
+    outlive it in reference cycles of their own (aiortc's peer connection and
+    its transports are, until the collector runs): handed over strongly, the
+    callback would keep its object, and all it holds, alive as long as they.
+    """
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: P.args, **kwargs: P.kwargs) -> Any:
+        bound = ref()
+        return gone if bound is None else bound(*args, **kwargs)
+
+    return call

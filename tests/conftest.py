@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import gc
 import importlib
 import json
 import os
 import urllib.error
 import urllib.request
+import weakref
 from collections.abc import Awaitable, Callable, Iterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from types import ModuleType
 from typing import Any, NoReturn, TypeVar
@@ -302,3 +304,34 @@ async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 5.0)
             return True
         await asyncio.sleep(0.02)
     return await check()
+
+
+# --- what an ended session leaves behind -------------------------------------------------------
+
+
+def serving_now(server: Any) -> list[weakref.ReferenceType[Any]]:
+    """Weak references to the context, and its session, of every slot of ``server`` that serves one now."""
+    held: list[weakref.ReferenceType[Any]] = []
+    for slot in server.pool.slots:
+        context = slot.serving()
+        if context is not None:
+            held += [weakref.ref(context), weakref.ref(context.session)]
+    return held
+
+
+def still_held(refs: list[weakref.ReferenceType[Any]]) -> list[str]:
+    """What of ``refs`` is alive, each with the types of what refers to it (empty when all are freed)."""
+    alive = [obj for obj in (ref() for ref in refs) if obj is not None]
+    return [f"{type(obj).__name__} <- {[type(r).__name__ for r in gc.get_referrers(obj)]}" for obj in alive]
+
+
+@contextmanager
+def collector_off() -> Iterator[None]:
+    """CPython's cyclic collector off (after one full pass), as the server's seldom collection nearly is:
+    what is freed within the block is freed by reference counting."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()

@@ -18,12 +18,21 @@ import subprocess
 import sys
 import tempfile
 import time
-import weakref
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 
-from conftest import RealtimeClient, eventually, http_get, live_server, run, tone
+from conftest import (
+    RealtimeClient,
+    collector_off,
+    eventually,
+    http_get,
+    live_server,
+    run,
+    serving_now,
+    still_held,
+    tone,
+)
 from websockets.asyncio.client import connect
 
 MIB = 1024 * 1024
@@ -173,23 +182,17 @@ def test_nothing_of_a_session_stays_referenced_after_it_ends() -> None:
 
     async def scenario() -> None:
         async with live_server(pool_size=1) as server:
-            async with RealtimeClient.connect(server) as c:
-                await c.until("session.created")
-                await c.say_text("remember me")
-                await c.append_audio(tone(300, 0.5) + bytes(48_000))
-                await c.until("response.done")
-                slot = server.pool.slots[0]
-                context = weakref.ref(slot.serving())  # type: ignore[arg-type]
-                session = weakref.ref(context().session)  # type: ignore[union-attr]
-            gc.collect()
-            gc.disable()
-            try:
+            with collector_off():
+                async with RealtimeClient.connect(server) as c:
+                    await c.until("session.created")
+                    await c.say_text("remember me")
+                    await c.append_audio(tone(300, 0.5) + bytes(48_000))
+                    await c.until("response.done")
+                    held = serving_now(server)
+                    assert len(held) == 2
                 assert await eventually(lambda: _idle(server))
                 await asyncio.sleep(0.1)
-                assert context() is None, gc.get_referrers(context())
-                assert session() is None, gc.get_referrers(session())
-            finally:
-                gc.enable()
+                assert not still_held(held), still_held(held)
 
     run(scenario())
 

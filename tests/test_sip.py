@@ -16,12 +16,13 @@ import logging
 import re
 import socket
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from conftest import RealtimeClient, eventually, live_server, run, silence, tone
+from conftest import RealtimeClient, collector_off, eventually, live_server, run, serving_now, silence, still_held, tone
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from openai import AsyncOpenAI, BadRequestError
@@ -99,6 +100,39 @@ def test_a_call_is_answered_in_speech_and_its_slot_comes_back_when_the_caller_ha
             assert ear.loud_samples >= 8000 // 2  # half a second of answer at least
             assert await eventually(lambda: _free(server, 2), 5)
             assert not server.phones.calls
+
+    run(scenario())
+
+
+def test_nothing_of_a_phone_call_stays_referenced_after_it_ends(tmp_path: Path) -> None:
+    """A phone call's session, context and call are freed by reference counting once the caller hangs up: not
+    left to the cyclic collector, which the server runs seldom."""
+
+    async def scenario() -> None:
+        async with live_server(pool_size=1, sip_port=0, sip_accept=True) as server:
+            held: list[Any] = []
+
+            async def answered_call() -> bool:
+                if not server.phones.calls:
+                    return False
+                held[:] = serving_now(server) + [weakref.ref(c) for c in server.phones.calls.values()]
+                return len(held) == 3
+
+            ear = Ear()
+            try:
+                with collector_off():
+                    caller = asyncio.create_task(
+                        sipp(tmp_path, answered(3000, ear.port), server.phones.port, audio=_question())
+                    )
+                    assert await eventually(answered_call, 10)
+                    rc, out = await caller
+                    assert rc == 0, out[-3000:]
+                    assert await eventually(lambda: _free(server, 1), 5)
+                    assert await eventually(lambda: _no_calls(server), 5)
+                    await asyncio.sleep(0.1)
+                    assert not still_held(held), still_held(held)
+            finally:
+                ear.close()
 
     run(scenario())
 

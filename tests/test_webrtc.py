@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import weakref
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -18,7 +19,18 @@ from typing import Any
 import numpy as np
 import pytest
 from conformance import validate_server_event
-from conftest import RealtimeClient, eventually, http_get, live_server, run, silence, tone
+from conftest import (
+    RealtimeClient,
+    collector_off,
+    eventually,
+    http_get,
+    live_server,
+    run,
+    serving_now,
+    silence,
+    still_held,
+    tone,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from openai import APIStatusError, AsyncOpenAI, AuthenticationError, BadRequestError
@@ -303,6 +315,31 @@ def test_calls_and_websocket_sessions_share_the_pool() -> None:
 
 async def _free(server: Any, n: int) -> bool:
     return server.pool.free == n
+
+
+def test_nothing_of_a_call_stays_referenced_after_it_ends() -> None:
+    """A call's session, context, call, peer connection and playback are freed by reference counting once it
+    hangs up: not left to the cyclic collector, which the server runs seldom."""
+
+    async def scenario() -> None:
+        async with live_server(pool_size=1) as server:
+            with collector_off():
+                async with a_call(server) as call:
+                    await spoken_turn(call)
+                    served = server.calls.calls[call.call_id]
+                    held = serving_now(server) + [weakref.ref(o) for o in (served, served.pc, served.playback)]
+                    assert len(held) == 5
+                    del served
+                assert await eventually(lambda: _free(server, 1), 10)
+                assert await eventually(lambda: _no_call_tasks(server), 10)
+                await asyncio.sleep(0.1)
+                assert not still_held(held), still_held(held)
+
+    run(scenario())
+
+
+async def _no_call_tasks(server: Any) -> bool:
+    return not server.calls.tasks
 
 
 def test_a_call_whose_ice_never_completes_frees_its_slot_within_its_timeout() -> None:

@@ -24,6 +24,7 @@ from websockets.exceptions import ConnectionClosed
 
 from s2s_rt.audio import AudioFormat
 from s2s_rt.budget import PacketBudget
+from s2s_rt.memory import weakly
 from s2s_rt.protocol.session import Session
 from s2s_rt.server import internals
 from s2s_rt.server.playout import HEARD_DELAY_MS, CallEnded, Pacer, Playout
@@ -62,7 +63,7 @@ class PhoneCall:
         self.invite = invite
         self.client = client
         self.playback = Playout(RATE, FRAME_SAMPLES, HEARD_DELAY_MS)
-        self.pacer = Pacer(self.playback)
+        self.pacer = Pacer(FRAME_SAMPLES / RATE)
         self.media: CallSession | None = None
         self.inbox: asyncio.Queue[str | bytes | None] = asyncio.Queue()
         #: The application's answer while the call rings: the session it accepted with, or a status.
@@ -83,7 +84,7 @@ class PhoneCall:
         #: Datagrams dropped because they came from another address than the caller's.
         self.strays = 0
         #: The caller's datagrams past this budget are dropped before the library parses them.
-        self._media = PacketBudget(f"phone call {call_id}", dropped, self.end)
+        self._media = PacketBudget(f"phone call {call_id}", dropped, weakly(self.end))
         #: The addresses the caller's media may come from (its offers' and its INVITE's).
         self._callers: set[str] = set()
         #: The address the call's RTP binds (set when its media starts).
@@ -145,12 +146,15 @@ class PhoneCall:
                     raise
                 continue
             break
-        media.on_audio = self._heard
-        media.on_dtmf = self._pressed
+        # What the call hands the RTP library reaches it weakly: the library's objects may stay in cycles of their
+        # own after the call, until the collector (seldom: s2s_rt.memory) frees them, and would keep the call (its
+        # session among what it holds) as long.
+        media.on_audio = weakly(self._heard)
+        media.on_dtmf = weakly(self._pressed)
         self.host = host
         offered = offer.rtp_address
         self._callers = {self.invite.source_addr[0]} | ({offered[0]} if offered else set())
-        internals.guard_rtp(media.rtp_session, self._from_caller)
+        internals.guard_rtp(media.rtp_session, weakly(self._from_caller, False))
         self.media = media
         sender = self._send_audio(media, media_timeout_s)
         self._sender = asyncio.get_running_loop().create_task(sender, name=f"{self.id}-rtp")
@@ -218,7 +222,7 @@ class PhoneCall:
             if left <= 0:
                 self.end(f"no media from the caller for {media_timeout_s:g} s")
                 return
-            frame = await pacer.next(left)
+            frame = await pacer.next(self.playback, left)
             if frame is None:
                 continue
             try:
@@ -247,10 +251,13 @@ class PhoneCall:
 
     async def wait_closed(self) -> None:
         """Until the call's RTP is closed (after :meth:`end`); the library's failures closing it are logged."""
-        if self._sender is not None:
-            await asyncio.wait((self._sender,))
-            if not self._sender.cancelled() and self._sender.exception() is not None:
-                log.warning("phone call %s: its sender failed: %r", self.id, self._sender.exception())
+        sender = self._sender
+        if sender is not None:
+            await asyncio.wait((sender,))
+            if not sender.cancelled() and sender.exception() is not None:
+                log.warning("phone call %s: its sender failed: %r", self.id, sender.exception())
+            # Its cancellation's traceback holds the sender's frame, and that frame the call: let go of it.
+            self._sender = None
         if self.media is not None:
             try:
                 await self.media.close()

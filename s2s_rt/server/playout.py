@@ -188,11 +188,10 @@ class Pacer:
     or not (a microphone).
     """
 
-    def __init__(self, playout: Playout, lead: int = LEAD_FRAMES, hangover: int | None = HANGOVER_FRAMES) -> None:
-        self.playout = playout
+    def __init__(self, frame_s: float, lead: int = LEAD_FRAMES, hangover: int | None = HANGOVER_FRAMES) -> None:
         self.lead = lead
         self.hangover = hangover
-        self.frame_s = playout.frame_samples / playout.rate
+        self.frame_s = frame_s
         #: The frame being sent, counted since the call's first (at :attr:`origin`).
         self.index = -1
         self.origin: float | None = None
@@ -208,10 +207,13 @@ class Pacer:
         :meth:`next` sends a frame of silence at once, and RTP time begins with it."""
         self.origin = time.monotonic()
 
-    async def next(self, idle_timeout: float | None = None) -> npt.NDArray[np.int16] | None:
-        """The next frame, once it is due (its index in :attr:`index`); None when nothing was queued within
-        ``idle_timeout`` s of silence (None: however long)."""
-        playout = self.playout
+    async def next(self, playout: Playout, idle_timeout: float | None = None) -> npt.NDArray[np.int16] | None:
+        """The next frame of ``playout``, once it is due (its index in :attr:`index`); None when nothing was
+        queued within ``idle_timeout`` s of silence (None: however long).
+
+        The playout is given, not held: a playout that owns its pacer (a WebRTC track) is then in no cycle
+        with it, and is freed as soon as its call lets go of it.
+        """
         if not self._spurt:
             if self.origin is not None and playout.idle:
                 playout.queued.clear()

@@ -34,6 +34,7 @@ from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 from av import AudioFrame
 
 from s2s_rt.budget import PacketBudget
+from s2s_rt.memory import weakly
 from s2s_rt.pipeline.ports import EventTooLarge
 from s2s_rt.server import internals
 from s2s_rt.server.playout import CallEnded
@@ -93,7 +94,7 @@ class Call:
     ) -> None:
         self.id = call_id
         #: The caller's media datagrams past this budget are dropped before aiortc reads them.
-        self._media = PacketBudget(f"call {call_id}", dropped, self.end)
+        self._media = PacketBudget(f"call {call_id}", dropped, weakly(self.end))
         self.pc = RTCPeerConnection(configuration)
         self.playback = Playback()  # sends nothing while it has nothing to play
         self.channel: Any = None
@@ -111,10 +112,13 @@ class Call:
         self._tasks: set[asyncio.Task[Any]] = set()
         #: The tasks that hear the caller's tracks (cancelled when the call ends).
         self._listening: list[asyncio.Task[Any]] = []
+        # What the call hands aiortc reaches it weakly: the peer connection and its transports stay in cycles of
+        # their own after it closes, until the collector (seldom: s2s_rt.memory) frees them, and they would keep
+        # the call, its playback and its inbox as long. The call is freed when its serving lets go of it.
         pc = self.pc
-        pc.on("datachannel", self._datachannel)
-        pc.on("track", self._track)
-        pc.on("connectionstatechange", self._state_changed)
+        pc.on("datachannel", weakly(self._datachannel))
+        pc.on("track", weakly(self._track))
+        pc.on("connectionstatechange", weakly(self._state_changed))
 
     # --- the channel the session writes to -------------------------------------
 
@@ -164,7 +168,7 @@ class Call:
         audio[0].direction = "sendrecv"
         release_at_once(audio[0].receiver)
         # Its audio is decoded as it comes, on the loop (else aiortc's thread delivers it to the track: _listen).
-        hear_on_the_loop(audio[0].receiver, self._heard, self.end, self.id)
+        hear_on_the_loop(audio[0].receiver, weakly(self._heard), weakly(self.end), self.id)
         answer = await self.pc.createAnswer()
         await self.pc.setLocalDescription(answer)
         internals.require_ports_in_range(sdp := str(self.pc.localDescription.sdp))  # not ports a firewall drops
@@ -195,7 +199,14 @@ class Call:
         # The caller's track may never deliver a frame (a call that never connected): nothing else wakes it.
         for task in self._listening:
             task.cancel()
-        self._spawn(self.pc.close())
+        self._listening.clear()  # a cancelled task's exception holds its frame, and the frame the call
+        self._spawn(self._close_peer())
+
+    async def _close_peer(self) -> None:
+        try:
+            await self.pc.close()
+        finally:
+            unhook(self.pc)
 
     async def wait_closed(self) -> None:
         """Until the peer connection has closed (after :meth:`end`), two seconds at most."""
@@ -220,24 +231,26 @@ class Call:
         if channel.label != EVENTS_LABEL or self.channel is not None:
             return  # other channels are not ours to read
         self.channel = channel
-
-        def message(data: str | bytes) -> None:
-            if self.gone.is_set():
-                return
-            if self.inbox.qsize() >= MAX_WAITING_EVENTS:
-                # The session's loop refuses a flood at its rate limit; events it has not even read
-                # yet are not kept without bound: a client this far ahead is ended.
-                log.warning("call %s: %d events waiting to be read; ending it", self.id, MAX_WAITING_EVENTS)
-                self.end("flooded its data channel")
-                return
-            self.inbox.put_nowait(data)
-
-        channel.on("message", message)
-        channel.on("close", lambda: self.end("data channel closed"))
+        channel.on("message", weakly(self._message))
+        channel.on("close", weakly(self._channel_closed))
         if channel.readyState == "open":
             self.opened.set()
         else:
             channel.on("open", self.opened.set)
+
+    def _message(self, data: str | bytes) -> None:
+        if self.gone.is_set():
+            return
+        if self.inbox.qsize() >= MAX_WAITING_EVENTS:
+            # The session's loop refuses a flood at its rate limit; events it has not even read
+            # yet are not kept without bound: a client this far ahead is ended.
+            log.warning("call %s: %d events waiting to be read; ending it", self.id, MAX_WAITING_EVENTS)
+            self.end("flooded its data channel")
+            return
+        self.inbox.put_nowait(data)
+
+    def _channel_closed(self) -> None:
+        self.end("data channel closed")
 
     def _track(self, track: MediaStreamTrack) -> None:
         if track.kind == "audio" and not self.gone.is_set():
@@ -281,6 +294,29 @@ class Call:
             gone.cancel()
         if self.gone.is_set():
             raise CallEnded
+
+
+def unhook(pc: RTCPeerConnection) -> None:
+    """A closed peer connection made free by reference counting, and what the call gave it with it.
+
+    aiortc's objects listen to one another (the peer connection to its
+    transports' state, the transports to their parts): after ``close`` they
+    are cycles that would wait for the cyclic collector, which the server runs
+    seldom (:mod:`s2s_rt.memory`), with each call's RTP history, codecs and
+    DTLS state (some 100 kB of Python objects a call, and the native state of its codecs). Their listeners are
+    removed, through aiortc's public attributes, and the call's own track is
+    taken back from its sender.
+    """
+    emitters: list[Any] = [pc, pc.sctp, pc.sctp.transport if pc.sctp else None]
+    for transceiver in pc.getTransceivers():
+        transceiver.sender.replaceTrack(None)
+        for dtls in (transceiver.sender.transport, transceiver.receiver.transport):
+            ice = dtls.transport if dtls is not None else None
+            emitters += [dtls, ice, ice.iceGatherer if ice is not None else None]
+        emitters.append(transceiver.receiver.track)
+    for emitter in emitters:
+        if emitter is not None:
+            emitter.remove_all_listeners()
 
 
 #: A call whose peer has gone without a word (a closed tab, a crashed phone, a lost network) is noticed

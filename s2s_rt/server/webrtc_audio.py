@@ -112,7 +112,8 @@ class Playback(Playout, MediaStreamTrack):
         self._last_silent: bytes | None = None
         self._owed = False
         # A microphone sends every 20 ms, in real time; the server's answers go ahead (the Pacer's defaults).
-        self._pacer = Pacer(self, lead=0, hangover=None) if send_silence else Pacer(self)
+        frame_s = FRAME_SAMPLES / PLAY_RATE
+        self._pacer = Pacer(frame_s, lead=0, hangover=None) if send_silence else Pacer(frame_s)
 
     def stop(self) -> None:
         super().stop()
@@ -122,7 +123,7 @@ class Playback(Playout, MediaStreamTrack):
         while True:
             if self.readyState != "live":
                 raise MediaStreamError
-            frame = await self._pacer.next()
+            frame = await self._pacer.next(self)
             if frame is None or self.readyState != "live":
                 raise MediaStreamError
             if self.dtx:
