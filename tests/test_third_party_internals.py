@@ -27,7 +27,7 @@ from typing import Any
 import aioice.ice
 import aioice.stun
 import pytest
-from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
+from aiortc import RTCConfiguration, RTCDtlsTransport, RTCPeerConnection, RTCSessionDescription
 from aiortc.jitterbuffer import JitterBuffer
 from aiortc.mediastreams import AudioStreamTrack
 from aiortc.rtcrtpreceiver import RTCRtpReceiver
@@ -301,6 +301,73 @@ def test_a_receiver_already_started_keeps_its_queue_and_an_aiortc_without_one_is
 
 
 # --- aiortc: the peer's largest message (s2s_rt.server.webrtc.max_message_size) ------------------------------
+
+
+# --- aiortc: a call's audio packets before its path (s2s_rt.server.webrtc_rtp) ------------------------------
+
+
+def test_a_calls_audio_packets_are_heard_without_aiortcs_path_and_its_receiver_reports_count_them() -> None:
+    async def scenario() -> None:
+        heard: list[bytes] = []
+        call, peer = await _call(heard)
+        try:
+            receiver = next(t.receiver for t in call.pc.getTransceivers() if t.kind == "audio")
+            dtls = receiver.transport
+            through_aiortc = 0
+            handle = dtls._handle_rtp_data
+
+            async def counted(data: bytes, arrival_time_ms: int) -> None:
+                nonlocal through_aiortc
+                through_aiortc += 1
+                await handle(data, arrival_time_ms)
+
+            dtls._handle_rtp_data = counted
+            sender = next(t.sender for t in peer.getTransceivers() if t.kind == "audio")
+            reports: list[Any] = []
+            for _ in range(400):
+                stats = await sender.getStats()
+                reports = [s for s in stats.values() if s.type == "remote-inbound-rtp"]
+                if len(heard) >= 100 and reports:
+                    break
+                await asyncio.sleep(0.02)
+            assert len(heard) >= 100  # 2 s of the peer's silence heard
+            # Taken before aiortc's path: at most a packet or two that came before SRTP was keyed went its way.
+            assert through_aiortc <= 2, through_aiortc
+            # The server's receiver reports still say what it heard (else the sender would see none, or losses).
+            assert reports and reports[0].packetsLost == 0 and reports[0].packetsReceived >= 50
+        finally:
+            call.end("test over")
+            await call.wait_closed()
+            await peer.close()
+
+    run(scenario())
+
+
+def test_an_aiortc_without_what_the_audio_packets_read_keeps_its_path_and_says_so(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def recv_next(self: Any) -> None:
+        """A DTLS transport that keeps its SRTP session elsewhere."""
+
+    monkeypatch.setattr(RTCDtlsTransport, "_recv_next", recv_next)
+    internals._said_once.cache_clear()
+
+    async def scenario() -> None:
+        pc = RTCPeerConnection()
+        try:
+            receiver = pc.addTransceiver("audio").receiver
+            with caplog.at_level(logging.ERROR, "s2s_rt.server.internals"):
+                assert not internals.audio_packets_allowed(receiver)
+                assert not internals.audio_packets_allowed(receiver)
+        finally:
+            await pc.close()
+
+    try:
+        run(scenario())
+    finally:
+        internals._said_once.cache_clear()
+    [record] = [r for r in caplog.records if "audio packets" in r.getMessage()]  # said once
+    assert f"RTCDtlsTransport._recv_next does not name {internals.RX_SRTP}" in record.getMessage()
 
 
 def test_aiortc_keeps_the_peers_largest_message_where_it_is_read() -> None:

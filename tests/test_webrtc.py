@@ -318,8 +318,9 @@ async def _free(server: Any, n: int) -> bool:
 
 
 def test_nothing_of_a_call_stays_referenced_after_it_ends() -> None:
-    """A call's session, context, call, peer connection and playback are freed by reference counting once it
-    hangs up: not left to the cyclic collector, which the server runs seldom."""
+    """A call's session, context, call, peer connection (its audio receiver and transport too) and playback are
+    freed by reference counting once it hangs up: not left to the cyclic collector, which the server runs
+    seldom."""
 
     async def scenario() -> None:
         async with live_server(pool_size=1) as server:
@@ -327,9 +328,11 @@ def test_nothing_of_a_call_stays_referenced_after_it_ends() -> None:
                 async with a_call(server) as call:
                     await spoken_turn(call)
                     served = server.calls.calls[call.call_id]
-                    held = serving_now(server) + [weakref.ref(o) for o in (served, served.pc, served.playback)]
-                    assert len(held) == 5
-                    del served
+                    receiver = next(t.receiver for t in served.pc.getTransceivers() if t.kind == "audio")
+                    parts = (served, served.pc, served.playback, receiver, receiver.transport)
+                    held = serving_now(server) + [weakref.ref(o) for o in parts]
+                    assert len(held) == 7
+                    del served, receiver, parts
                 assert await eventually(lambda: _free(server, 1), 10)
                 assert await eventually(lambda: _no_call_tasks(server), 10)
                 await asyncio.sleep(0.1)

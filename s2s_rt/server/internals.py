@@ -34,6 +34,12 @@ aiortc (``pyproject.toml``: >=1.14; read in 1.14.0 and 1.16.0), used by
   calls ``get()`` until it takes ``None``), and stopping puts ``None``.
   Replaced before ``receive`` with an object whose ``put`` decodes on the
   loop (:class:`~s2s_rt.server.webrtc_audio.Hearing`).
+- ``RTCRtpReceiver.__codecs``, ``__remote_streams`` and
+  ``__timestamp_mapper`` (name-mangled), and ``RTCDtlsTransport._rx_srtp``:
+  what ``_recv_next`` and ``_handle_rtp_packet`` read for each RTP packet.
+  A call's audio packets are taken before aiortc's path and handled with
+  them (:class:`~s2s_rt.server.webrtc_rtp.AudioPackets`;
+  :func:`audio_packets_missing`).
 - ``RTCSctpTransport._remote_max_message_size`` (1.16.0; 1.14.0 has none):
   an event too large is refused by name before aiortc's ``ValueError``,
   which is caught as well
@@ -96,7 +102,7 @@ from collections.abc import Callable
 from typing import Any
 
 import aioice.ice
-from aiortc import RTCRtpReceiver
+from aiortc import RTCDtlsTransport, RTCRtpReceiver
 from aiortc.jitterbuffer import JitterBuffer
 from aiosipua import SipUAS
 from aiosipua.transport import UdpSipTransport, _UdpProtocol
@@ -112,6 +118,14 @@ DEPAYLOADED = "_data"
 #: The queue the receiver puts each encoded frame on for its decoder thread, and that thread.
 DECODER_QUEUE = "_RTCRtpReceiver__decoder_queue"
 DECODER_THREAD = "_RTCRtpReceiver__decoder_thread"
+#: What :class:`~s2s_rt.server.webrtc_rtp.AudioPackets` reads of a receiver and its DTLS transport: the
+#: codec of each payload type, the RTCP statistics of each source, the RTP time mapping, the SRTP session.
+RECEIVER_CODECS = "_RTCRtpReceiver__codecs"
+RECEIVER_STREAMS = "_RTCRtpReceiver__remote_streams"
+TIMESTAMP_MAPPER = "_RTCRtpReceiver__timestamp_mapper"
+RX_SRTP = "_rx_srtp"
+#: Whether a receiver takes packets at all (``RTCRtpReceiver._enabled``).
+RECEIVER_ENABLED = "_enabled"
 #: The aioice ``Connection`` an ``RTCIceGatherer`` keeps (the ICE transport's own connection).
 ICE_CONNECTION = "_connection"
 #: The versions whose source was read, by package (what a failed check's message names).
@@ -208,6 +222,33 @@ def jitter_buffer_replaceable(receiver: Any) -> bool:
     return _aiortc_allows(
         jitter_buffer_missing(receiver),
         "calls keep its 4-packet jitter buffer (each turn's end heard 80 ms later, and 280 ms after a packet lost)",
+    )
+
+
+def audio_packets_missing(receiver: Any) -> str | None:
+    """Why a call's audio packets cannot be taken before aiortc's path on the installed aiortc; None: they can."""
+    handler = getattr(RTCRtpReceiver, "_handle_rtp_packet", None)
+    for name in (RECEIVER_CODECS, RECEIVER_STREAMS, TIMESTAMP_MAPPER, JITTER_BUFFER, DECODER_QUEUE, RECEIVER_ENABLED):
+        if not names(handler, name):
+            return f"RTCRtpReceiver._handle_rtp_packet does not name {name}"
+    if not names(getattr(RTCDtlsTransport, "_recv_next", None), RX_SRTP):
+        return f"RTCDtlsTransport._recv_next does not name {RX_SRTP}"
+    if not isinstance(getattr(receiver, RECEIVER_CODECS, None), dict) or not isinstance(
+        getattr(receiver, RECEIVER_STREAMS, None), dict
+    ):
+        return f"the receiver's {RECEIVER_CODECS} or {RECEIVER_STREAMS} is not a dict"
+    if not callable(getattr(getattr(receiver, TIMESTAMP_MAPPER, None), "map", None)):
+        return f"the receiver's {TIMESTAMP_MAPPER} has no map"
+    if not isinstance(receiver.transport, RTCDtlsTransport) or not hasattr(receiver.transport, RX_SRTP):
+        return f"the receiver's transport has no {RX_SRTP}"
+    return None
+
+
+def audio_packets_allowed(receiver: Any) -> bool:
+    """Whether a call's audio packets may be taken before aiortc's path; when not, an error in the log says why,
+    once."""
+    return _aiortc_allows(
+        audio_packets_missing(receiver), "calls' audio packets take aiortc's path (more CPU per call)"
     )
 
 
@@ -320,9 +361,10 @@ def media_guard_missing(ice_transport: Any) -> str | None:
     return None
 
 
-def guard_media(ice_transport: Any, allowed: Callable[[], bool]) -> bool:
+def guard_media(ice_transport: Any, allowed: Callable[[], bool], take: Callable[[bytes], bool] | None = None) -> bool:
     """Hand ``ice_transport``'s connection (an ``RTCIceTransport``'s) only the media datagrams that ``allowed()``
-    takes, and every other datagram; False, and an error in the log once, where aioice lacks what this wraps."""
+    takes and ``take`` (if any) does not take itself, and every other datagram; False, and an error in the log
+    once, where aioice lacks what this wraps."""
     missing = media_guard_missing(ice_transport)
     if missing:
         _said_once(missing, "a call's media is taken as fast as its caller sends it", "aioice")
@@ -331,7 +373,7 @@ def guard_media(ice_transport: Any, allowed: Callable[[], bool]) -> bool:
     inner = connection.data_received
 
     def guarded(data: bytes, component: int) -> None:
-        if data and 127 < data[0] < 192 and not allowed():
+        if data and 127 < data[0] < 192 and (not allowed() or (take is not None and take(data))):
             return
         inner(data, component)
 

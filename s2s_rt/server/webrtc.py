@@ -39,6 +39,7 @@ from s2s_rt.pipeline.ports import EventTooLarge
 from s2s_rt.server import internals
 from s2s_rt.server.playout import CallEnded
 from s2s_rt.server.webrtc_audio import HEARD_FORMAT, Playback, hear_on_the_loop, mono_pcm16, release_at_once
+from s2s_rt.server.webrtc_rtp import AudioPackets
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +111,8 @@ class Call:
         #: The secret that opened it (it may hang up with that), if one did.
         self.secret: str | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
+        #: Takes the caller's audio packets before aiortc's path, where it may (:meth:`answer`).
+        self._audio: AudioPackets | None = None
         #: The tasks that hear the caller's tracks (cancelled when the call ends).
         self._listening: list[asyncio.Task[Any]] = []
         # What the call hands aiortc reaches it weakly: the peer connection and its transports stay in cycles of
@@ -166,12 +169,17 @@ class Call:
             raise ValueError("the offer has no audio track")
         audio[0].sender.replaceTrack(self.playback)
         audio[0].direction = "sendrecv"
-        release_at_once(audio[0].receiver)
+        receiver = audio[0].receiver
+        ours = release_at_once(receiver)
         # Its audio is decoded as it comes, on the loop (else aiortc's thread delivers it to the track: _listen).
-        hear_on_the_loop(audio[0].receiver, weakly(self._heard), weakly(self.end), self.id)
+        ours &= hear_on_the_loop(receiver, weakly(self._heard), weakly(self.end), self.id)
         answer = await self.pc.createAnswer()
         await self.pc.setLocalDescription(answer)
         internals.require_ports_in_range(sdp := str(self.pc.localDescription.sdp))  # not ports a firewall drops
+        # Its packets go from the datagram to the hearing without aiortc's path, where the jitter buffer and the
+        # decoder queue are the server's.
+        if ours and receiver.transport is not None and internals.audio_packets_allowed(receiver):
+            self._audio = AudioPackets(receiver)
         self._guard_media()
         return ask_for_dtx(sdp)
 
@@ -185,8 +193,10 @@ class Call:
         transports = {t.receiver.transport.transport for t in self.pc.getTransceivers() if t.receiver.transport}
         if self.pc.sctp is not None:
             transports.add(self.pc.sctp.transport.transport)
+        audio = self._audio
         for ice in transports:
-            internals.guard_media(ice, lambda: media.take(loop.time()))
+            take = audio if audio is not None and ice is audio.ice else None
+            internals.guard_media(ice, lambda: media.take(loop.time()), take)
 
     def end(self, why: str) -> None:
         """The call is over: nothing more is sent or heard; the peer connection closes in the background."""
@@ -207,6 +217,8 @@ class Call:
             await self.pc.close()
         finally:
             unhook(self.pc)
+            if self._audio is not None:
+                self._audio.close()
 
     async def wait_closed(self) -> None:
         """Until the peer connection has closed (after :meth:`end`), two seconds at most."""

@@ -417,11 +417,13 @@ class InOrder(JitterBuffer):
         return False, JitterFrame(getattr(packet, internals.DEPAYLOADED), packet.timestamp)
 
 
-def release_at_once(receiver: Any) -> None:
+def release_at_once(receiver: Any) -> bool:
     """Give a call's audio receiver the :class:`InOrder` jitter buffer, before its first packet comes (aiortc
-    offers no setting; where it no longer allows this, the receiver keeps its own)."""
-    if internals.jitter_buffer_replaceable(receiver):
-        setattr(receiver, internals.JITTER_BUFFER, InOrder())
+    offers no setting; where it no longer allows this, the receiver keeps its own: False)."""
+    if not internals.jitter_buffer_replaceable(receiver):
+        return False
+    setattr(receiver, internals.JITTER_BUFFER, InOrder())
+    return True
 
 
 def mono_pcm16(frame: AudioFrame) -> bytes:
