@@ -16,8 +16,8 @@ The DTLS transport's packet counts and the receiver's active sources
 (``getStats``, ``getSynchronizationSources``), which the server never reads,
 are not kept. Everything else goes aiortc's way: RTCP, DTLS, a packet
 before SRTP is keyed, a payload type the receiver does not know, RTX. At 40
-calls from callers sending silence the event loop took 0.19-0.20 of a core
-against 0.22-0.23 (BENCHMARKS.md).
+calls from callers sending silence the event loop took 0.195-0.207 of a
+core against 0.221-0.232 (BENCHMARKS.md).
 """
 
 from __future__ import annotations
