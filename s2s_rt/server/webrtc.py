@@ -209,7 +209,8 @@ class Call:
         # The caller's track may never deliver a frame (a call that never connected): nothing else wakes it.
         for task in self._listening:
             task.cancel()
-        self._listening.clear()  # a cancelled task's exception holds its frame, and the frame the call
+        # A cancelled task keeps its exception, whose traceback holds the task's frame, which holds the call.
+        self._listening.clear()
         self._spawn(self._close_peer())
 
     async def _close_peer(self) -> None:
@@ -315,9 +316,9 @@ def unhook(pc: RTCPeerConnection) -> None:
     transports' state, the transports to their parts): after ``close`` they
     are cycles that would wait for the cyclic collector, which the server runs
     seldom (:mod:`s2s_rt.memory`), with each call's RTP history, codecs and
-    DTLS state (some 100 kB of Python objects a call, and the native state of its codecs). Their listeners are
-    removed, through aiortc's public attributes, and the call's own track is
-    taken back from its sender.
+    DTLS state (some 100 kB of Python objects a call, and the native state of
+    its codecs). Their listeners are removed, through aiortc's public
+    attributes, and the call's own track is taken back from its sender.
     """
     emitters: list[Any] = [pc, pc.sctp, pc.sctp.transport if pc.sctp else None]
     for transceiver in pc.getTransceivers():
