@@ -20,7 +20,8 @@ import logging
 import queue
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from types import SimpleNamespace
 from typing import Any
 
@@ -146,15 +147,22 @@ async def _offer(pc: RTCPeerConnection) -> str:
     return str(pc.localDescription.sdp)
 
 
-async def _call(heard: list[bytes] | None = None) -> tuple[webrtc.Call, RTCPeerConnection]:
-    """A call answered by the server's own :class:`~s2s_rt.server.webrtc.Call`, from a peer sending silence."""
+@asynccontextmanager
+async def _call(heard: list[bytes] | None = None) -> AsyncIterator[tuple[webrtc.Call, RTCPeerConnection]]:
+    """A call answered by the server's own :class:`~s2s_rt.server.webrtc.Call`, from a peer sending silence;
+    ended, and both sides closed, after the block."""
     peer = RTCPeerConnection()
     call = webrtc.Call("rtc_test", RTCConfiguration())
     if heard is not None:
         call.hear = heard.append
-    answer = await call.answer(await _offer(peer))
-    await peer.setRemoteDescription(RTCSessionDescription(answer, "answer"))
-    return call, peer
+    try:
+        answer = await call.answer(await _offer(peer))
+        await peer.setRemoteDescription(RTCSessionDescription(answer, "answer"))
+        yield call, peer
+    finally:
+        call.end("test over")
+        await call.wait_closed()
+        await peer.close()
 
 
 def test_aiortc_receivers_have_the_jitter_buffer_that_is_replaced() -> None:
@@ -183,8 +191,7 @@ def test_a_calls_audio_passes_through_the_jitter_buffer_put_in(monkeypatch: pyte
 
     async def scenario() -> None:
         heard: list[bytes] = []
-        call, peer = await _call(heard)
-        try:
+        async with _call(heard) as (call, _peer):
             receiver = next(t.receiver for t in call.pc.getTransceivers() if t.kind == "audio")
             buffer = getattr(receiver, internals.JITTER_BUFFER)
             assert type(buffer) is Counting
@@ -193,10 +200,6 @@ def test_a_calls_audio_passes_through_the_jitter_buffer_put_in(monkeypatch: pyte
                     break
                 await asyncio.sleep(0.02)
             assert len(heard) >= 5 and len(added) >= 5
-        finally:
-            call.end("test over")
-            await call.wait_closed()
-            await peer.close()
 
     run(scenario())
 
@@ -245,8 +248,7 @@ def test_a_calls_audio_is_decoded_on_the_loop_and_aiortcs_thread_ends_with_the_c
         finally:
             await pc.close()
         heard: list[bytes] = []
-        call, peer = await _call(heard)
-        try:
+        async with _call(heard) as (call, _peer):
             receiver = next(t.receiver for t in call.pc.getTransceivers() if t.kind == "audio")
             assert type(getattr(receiver, internals.DECODER_QUEUE)) is webrtc_audio.Hearing
             for _ in range(500):
@@ -256,10 +258,6 @@ def test_a_calls_audio_is_decoded_on_the_loop_and_aiortcs_thread_ends_with_the_c
             # 20 ms of mono PCM16 at 48 kHz a packet, decoded where it came (the loop's thread).
             assert len(heard) >= 5 and {len(pcm) for pcm in heard} == {1920}
             assert getattr(receiver, internals.DECODER_THREAD).is_alive()  # aiortc's, waiting
-        finally:
-            call.end("test over")
-            await call.wait_closed()
-            await peer.close()
         # aiortc's thread took the stop from the stand-in and ended: none is left behind.
         for _ in range(100):
             if _decoder_threads() <= before:
@@ -309,8 +307,7 @@ def test_a_receiver_already_started_keeps_its_queue_and_an_aiortc_without_one_is
 def test_a_calls_audio_packets_are_heard_without_aiortcs_path_and_its_receiver_reports_count_them() -> None:
     async def scenario() -> None:
         heard: list[bytes] = []
-        call, peer = await _call(heard)
-        try:
+        async with _call(heard) as (call, peer):
             receiver = next(t.receiver for t in call.pc.getTransceivers() if t.kind == "audio")
             dtls = receiver.transport
             through_aiortc = 0
@@ -335,10 +332,6 @@ def test_a_calls_audio_packets_are_heard_without_aiortcs_path_and_its_receiver_r
             assert through_aiortc <= 2, through_aiortc
             # The server's receiver reports still say what it heard (else the sender would see none, or losses).
             assert reports and reports[0].packetsLost == 0 and reports[0].packetsReceived >= 50
-        finally:
-            call.end("test over")
-            await call.wait_closed()
-            await peer.close()
 
     run(scenario())
 
@@ -502,15 +495,10 @@ def test_aioice_binds_host_candidates_in_the_range_the_loop_is_given() -> None:
         finally:
             await connection.close()
         # And a whole call, answered by the server's Call (which checks its ports itself).
-        call, peer = await _call()
-        try:
+        async with _call() as (call, _peer):
             answer = call.pc.localDescription.sdp
             found = [int(line.split()[5]) for line in answer.splitlines() if line.startswith("a=candidate:")]
             assert found and all(p in ports for p in found), found
-        finally:
-            call.end("test over")
-            await call.wait_closed()
-            await peer.close()
 
     run(scenario())
 
