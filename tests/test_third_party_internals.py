@@ -255,8 +255,8 @@ def test_a_calls_audio_is_decoded_on_the_loop_and_aiortcs_thread_ends_with_the_c
                 if len(heard) >= 5:
                     break
                 await asyncio.sleep(0.02)
-            # 20 ms of mono PCM16 at 48 kHz a packet, decoded where it came (the loop's thread).
-            assert len(heard) >= 5 and {len(pcm) for pcm in heard} == {1920}
+            # 20 ms of mono PCM16 at 16 kHz a packet, decoded where it came (the loop's thread).
+            assert len(heard) >= 5 and {len(pcm) for pcm in heard} == {640}
             assert getattr(receiver, internals.DECODER_THREAD).is_alive()  # aiortc's, waiting
         # aiortc's thread took the stop from the stand-in and ended: none is left behind.
         for _ in range(100):

@@ -16,14 +16,16 @@ from aiortc.rtp import RtpPacket
 from av import CodecContext, Packet
 from conftest import eventually, live_server, run, silence, tone
 
-from s2s_rt.audio import AudioFormat
+from s2s_rt.audio import AudioFormat, Resampler, float_to_pcm16, resample
 from s2s_rt.bench.call import CallClient
 from s2s_rt.server.playout import HANGOVER_FRAMES, LEAD_FRAMES
-from s2s_rt.server.webrtc_audio import OPUS_FRAME, OPUS_TIME_BASE, Hearing, InOrder, Playback
+from s2s_rt.server.webrtc_audio import HEARD_FORMAT, OPUS_FRAME, OPUS_TIME_BASE, Hearing, InOrder, Playback, ToHeard
 
 OPUS = RTCRtpCodecParameters(mimeType="audio/opus", clockRate=48000, channels=2, payloadType=111)
 PCMU = RTCRtpCodecParameters(mimeType="audio/PCMU", clockRate=8000, channels=1, payloadType=0)
 SAY = AudioFormat("audio/pcm", 24_000)
+#: Samples a millisecond of what a caller is heard as (16 kHz).
+KHZ = HEARD_FORMAT.rate // 1000
 
 
 def decoded(packet: Packet) -> np.ndarray:
@@ -135,7 +137,7 @@ def test_a_microphone_with_dtx_sends_one_frame_in_20_once_silent() -> None:
     run(scenario(), timeout=10)
 
 
-def test_the_callers_packets_are_heard_as_mono_48k_and_one_that_does_not_decode_is_skipped() -> None:
+def test_the_callers_packets_are_heard_as_mono_16k_and_one_that_does_not_decode_is_skipped() -> None:
     async def scenario() -> None:
         heard: list[bytes] = []
         ended: list[str] = []
@@ -147,13 +149,14 @@ def test_the_callers_packets_are_heard_as_mono_48k_and_one_that_does_not_decode_
         for i, packet in enumerate(packets[1:], start=2):
             hearing.put((OPUS, JitterFrame(packet, i * OPUS_FRAME)))
         assert ended == [] and len(heard) >= len(packets) - 1
-        # 20 ms of mono PCM16 at 48 kHz each: the skipped packet's time is heard as silence.
-        assert [len(pcm) for pcm in heard] == [1920] * (len(packets) + 1)
+        # 20 ms of mono PCM16 at 16 kHz each: the skipped packet's time is heard as silence.
+        assert HEARD_FORMAT.rate == 16_000
+        assert [len(pcm) for pcm in heard] == [640] * (len(packets) + 1)
         assert not any(heard[1])
         assert np.abs(np.frombuffer(heard[-1], dtype="<i2")).max() > 1000
-        # G.711, should a peer choose it: heard at 48 kHz as well.
+        # G.711, should a peer choose it: heard at 16 kHz as well.
         hearing.put((PCMU, JitterFrame(b"\x00" * 160, 0)))
-        assert len(heard[-1]) == 1920 and ended == []
+        assert len(heard[-1]) == 640 and ended == []
         hearing.put(None)
 
     run(scenario())
@@ -184,13 +187,14 @@ def test_a_callers_dtx_gaps_are_heard_as_silence_in_real_time() -> None:
         hearing.put(None)
         ended = time.monotonic()
         # The gap was heard while it passed: by 150 ms into it, most of it up to then.
-        by = sum(n for t, n, _ in heard if t <= spoken_until + 0.15) - 48 * 100
-        assert by >= 48 * 60, by
+        by = sum(n for t, n, _ in heard if t <= spoken_until + 0.15) - KHZ * 100
+        assert by >= KHZ * 60, by
         # All in all, about as much as the time that passed (each moment once); the gaps' pieces are silence.
-        total_ms = sum(n for _, n, _ in heard) / 48
+        total_ms = sum(n for _, n, _ in heard) / KHZ
         assert (ended - start) * 1000 - 140 <= total_ms <= (ended - start) * 1000 + 40, (total_ms, ended - start)
-        assert all(silent for t, n, silent in heard if t > spoken_until + 0.01 and n != OPUS_FRAME)
-        assert len([n for t, n, _ in heard if t > spoken_until + 0.01 and n == OPUS_FRAME]) == 1
+        frame = 20 * KHZ
+        assert all(silent for t, n, silent in heard if t > spoken_until + 0.01 and n != frame)
+        assert len([n for t, n, _ in heard if t > spoken_until + 0.01 and n == frame]) == 1
         # Stopped, it hears nothing more.
         count = len(heard)
         await asyncio.sleep(0.2)
@@ -206,7 +210,7 @@ def test_a_jump_in_a_callers_rtp_time_is_heard_as_silence_only_within_a_bound() 
         packet = _opus_packets(np.zeros(480, dtype="<i2"))[0]
 
         def ms(pieces: list[bytes]) -> float:
-            return sum(len(pcm) for pcm in pieces) / 2 / 48
+            return sum(len(pcm) for pcm in pieces) / 2 / KHZ
 
         hearing.put((OPUS, JitterFrame(packet, 0)))
         await asyncio.sleep(0.2)  # 10 frames lost meanwhile: heard as silence, each moment once
@@ -222,7 +226,7 @@ def test_a_jump_in_a_callers_rtp_time_is_heard_as_silence_only_within_a_bound() 
         count = len(heard)
         hearing.put((OPUS, JitterFrame(packet, (2000 + 48_000 * 3600 // OPUS_FRAME) * OPUS_FRAME)))  # an hour on
         hearing.put((OPUS, JitterFrame(packet, (2**32 - OPUS_FRAME))))  # back (wrapping): neither is a gap
-        assert [len(pcm) for pcm in heard[count:]] == [1920, 1920]
+        assert [len(pcm) for pcm in heard[count:]] == [640, 640]
         hearing.put(None)
 
     run(scenario())
@@ -255,7 +259,7 @@ def test_a_caller_whose_rtp_time_falls_behind_after_a_pause_is_heard_again_after
         assert late and late[0] < 0.75, late[:3]
         assert ended - voiced[-1] < 0.1, ended - voiced[-1]
         # Each moment once: never more than the time that passed.
-        total_ms = sum(len(pcm) for _, pcm in heard) / 2 / 48
+        total_ms = sum(len(pcm) for _, pcm in heard) / 2 / KHZ
         assert total_ms <= (ended - start) * 1000 + 40, (total_ms, ended - start)
 
     run(scenario(), timeout=10)
@@ -444,8 +448,8 @@ async def _pool_has(server: Any, free: int) -> bool:
 
 def test_a_callers_silence_is_heard_without_decoding_and_as_decoding_every_packet_would() -> None:
     """A caller sending silence every 20 ms sends the same packet again and again: once it has settled, it is
-    heard without being decoded, and what is heard, the silence and the speech after it, is what decoding
-    every packet makes of them."""
+    heard without being decoded or resampled, and what is heard, the silence and the speech after it, is what
+    decoding every packet and resampling them as one stream make of them."""
     from s2s_rt.server.webrtc_audio import decoder
 
     stream = silence(1.0) + tone(300, 0.2) + silence(0.4) + tone(500, 0.1) + silence(0.2)
@@ -454,7 +458,9 @@ def test_a_callers_silence_is_heard_without_decoding_and_as_decoding_every_packe
     packets[55:56] = [packets[55]] * 4
     reference = CodecContext.create("libopus", "r")
     reference.format, reference.layout, reference.sample_rate = "s16", "mono", 48_000
-    expected = [b"".join(bytes(f.planes[0])[: 2 * f.samples] for f in reference.decode(Packet(p))) for p in packets]
+    to_16k = Resampler(48_000, 16_000)
+    decoded_48k = [np.concatenate([f.to_ndarray().reshape(-1) for f in reference.decode(Packet(p))]) for p in packets]
+    expected = [float_to_pcm16(to_16k.process(pcm / 32768)) for pcm in decoded_48k]
     heard = decoder(OPUS)
     got = [heard(JitterFrame(packet, i * OPUS_FRAME)) for i, packet in enumerate(packets)]
     assert got == expected
@@ -495,3 +501,34 @@ def test_a_microphone_sending_silence_encodes_it_only_until_it_has_settled() -> 
     heard = [np.concatenate([f.to_ndarray().reshape(-1) for f in context.decode(Packet(d))]) for d in data]
     assert all(np.abs(pcm).max() > 1000 for pcm in heard[52:59])
     assert len(set(data[-10:])) == 1 and all(np.abs(pcm).max() <= 2 for pcm in heard[-10:])
+
+
+def test_a_callers_frames_are_heard_at_16k_as_one_stream_whatever_their_rate_and_layout() -> None:
+    """aiortc's own decoders give Opus as packed stereo at 48 kHz and G.711 as mono at 8 kHz: each is heard as
+    mono 16 kHz, resampled as one stream (what resampling the whole at once gives), not frame by frame."""
+    from av import AudioFrame
+
+    t = np.arange(48_000 * 4 // 10) / 48_000
+    wave = (8000 * np.sin(2 * np.pi * 300 * t)).astype(np.int16)
+    heard = ToHeard()
+    pieces = []
+    for i in range(0, len(wave), 960):  # 20 ms frames, the same wave on both channels, interleaved
+        stereo = np.repeat(wave[i : i + 960], 2).reshape(1, -1)
+        frame = AudioFrame.from_ndarray(stereo, format="s16", layout="stereo")
+        frame.sample_rate = 48_000
+        pieces.append(heard(frame))
+    assert [len(p) for p in pieces] == [640] * len(pieces)
+    got = np.frombuffer(b"".join(pieces), dtype="<i2").astype(np.float32) / 32768
+    whole = Resampler(48_000, 16_000).process(wave.astype(np.float32) / 32768)
+    assert np.abs(got - whole).max() <= 2 / 32768
+    # Frame by frame, each frame's edges would be heard as clicks.
+    floats = wave.astype(np.float32) / 32768
+    one_by_one = np.concatenate([resample(floats[i : i + 960], 48_000, 16_000) for i in range(0, len(wave), 960)])
+    assert np.abs(one_by_one - whole).max() > 0.01
+    # A 300 Hz tone is heard as one, at 16 kHz.
+    spectrum = np.abs(np.fft.rfft(got[1600:]))
+    assert abs(np.argmax(spectrum) * 16_000 / len(got[1600:]) - 300) < 5
+    # G.711's rate, mono: 20 ms heard as 20 ms.
+    mono = AudioFrame.from_ndarray(wave[:160].reshape(1, -1), format="s16", layout="mono")
+    mono.sample_rate = 8_000
+    assert len(heard(mono)) == 640

@@ -4,7 +4,7 @@ A call is one session, served by the same code as a WebSocket's; only what
 carries it differs. Its JSON events travel on the data channel named
 ``oai-events`` (:class:`Call` is the session's channel, as a WebSocket
 connection is), its microphone arrives as Opus on the media track, decoded
-and handed to the listening clock as 48 kHz PCM, and its answers' audio
+and handed to the listening clock as 16 kHz PCM, and its answers' audio
 leaves on an outgoing track (:class:`Playback`) instead of in
 ``response.output_audio.delta`` events. Because the server plays the audio
 itself, it knows what was heard: it sends ``output_audio_buffer.started`` /
@@ -38,7 +38,7 @@ from s2s_rt.memory import weakly
 from s2s_rt.pipeline.ports import EventTooLarge
 from s2s_rt.server import internals
 from s2s_rt.server.playout import CallEnded
-from s2s_rt.server.webrtc_audio import HEARD_FORMAT, Playback, hear_on_the_loop, mono_pcm16, release_at_once
+from s2s_rt.server.webrtc_audio import HEARD_FORMAT, Playback, ToHeard, hear_on_the_loop, release_at_once
 from s2s_rt.server.webrtc_rtp import AudioPackets
 
 log = logging.getLogger(__name__)
@@ -106,7 +106,7 @@ class Call:
         self.gone = asyncio.Event()
         self.why = ""
         self.close_code: int | None = None
-        #: Takes each 20 ms of the caller's audio, as 48 kHz mono PCM16 (set while a session is attached).
+        #: Takes each 20 ms of the caller's audio, as 16 kHz mono PCM16 (set while a session is attached).
         self.hear: Callable[[bytes], None] | None = None
         #: The secret that opened it (it may hang up with that), if one did.
         self.secret: str | None = None
@@ -276,16 +276,17 @@ class Call:
     async def _listen(self, track: MediaStreamTrack) -> None:
         """The caller's audio as the track delivers it, in mono, to :meth:`_heard` (a track whose packets are
         decoded on the loop delivers none; this only waits for its end)."""
+        heard = ToHeard()
         while not self.gone.is_set():
             try:
                 frame = await track.recv()
             except MediaStreamError:
                 return
             if isinstance(frame, AudioFrame):
-                self._heard(mono_pcm16(frame))
+                self._heard(heard(frame))
 
     def _heard(self, pcm: bytes) -> None:
-        """20 ms of the caller's audio (mono PCM16 at 48 kHz), to whoever hears the call now."""
+        """20 ms of the caller's audio (mono PCM16 at 16 kHz), to whoever hears the call now."""
         hear = self.hear
         if hear is None:
             return

@@ -13,11 +13,11 @@ most of the time:
   play nothing between two talkspurts); what it plays goes a few frames
   ahead of real time, so that the receiver's jitter buffer does not wait.
 - **In:** each packet is released by the receiver's jitter buffer as it
-  comes (:class:`InOrder`), decoded on the loop, straight to mono, and heard,
-  where aiortc would hold it for the next, pass it to a thread of its own
-  and each decoded frame back to the loop and a task. A caller's silence,
-  the same packet again and again, is heard without decoding
-  (:class:`OpusHeard`).
+  comes (:class:`InOrder`), decoded on the loop, straight to mono, and heard
+  at the pipeline's 16 kHz (:class:`ToHeard`), where aiortc would hold it for
+  the next, pass it to a thread of its own and each decoded frame back to
+  the loop and a task. A caller's silence, the same packet again and again,
+  is heard without decoding or resampling (:class:`OpusHeard`).
   The answer asks the caller for Opus DTX (``usedtx=1``): a browser then
   sends one packet in 400 ms while its user is silent, not 50 a second, and
   the gaps are heard as silence on the server's clock (:class:`Hearing`), so
@@ -45,7 +45,8 @@ from aiortc.jitterbuffer import JitterBuffer, JitterFrame
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 from av import AudioFrame, CodecContext, Packet
 
-from s2s_rt.audio import AudioFormat, resample
+from s2s_rt.audio import AudioFormat, Resampler, float_to_pcm16
+from s2s_rt.engines.base import PIPELINE_RATE
 from s2s_rt.server import internals
 from s2s_rt.server.playout import HEARD_DELAY_MS, Pacer, Playout
 
@@ -61,9 +62,10 @@ OPUS_TIME_BASE = fractions.Fraction(1, 48_000)
 OPUS_FRAME = 960
 #: Speech in mono (a browser's own Opus sends 32 kb/s; aiortc's encoder 96 kb/s in stereo).
 OPUS_BITRATE = 32_000
-#: What the caller's Opus decodes to, as the listening clock takes it: mono PCM16 at 48 kHz (libopus
-#: through FFmpeg decodes at 48 kHz only).
-HEARD_FORMAT = AudioFormat("audio/pcm", 48_000)
+#: What a caller is heard as: mono PCM16 at the pipeline's rate, which the listening clock takes without
+#: resampling. libopus through FFmpeg decodes at 48 kHz only: :class:`ToHeard` resamples it, once a packet,
+#: and a caller's silence, once (:class:`OpusHeard`).
+HEARD_FORMAT = AudioFormat("audio/pcm", PIPELINE_RATE)
 #: A packet this many sequence numbers or fewer before the newest is late (or a copy): dropped. Further back,
 #: the caller's stream began again (aiortc's own bound for misordered packets).
 MAX_MISORDER = 100
@@ -191,11 +193,12 @@ def opus_encoder() -> Any:
 
 class Hearing:
     """Stands in for an aiortc receiver's decoder queue: each packet put on it is decoded at once, on the loop,
-    to mono PCM16 at 48 kHz (:data:`HEARD_FORMAT`), and handed to ``heard``.
+    to mono PCM16 at 16 kHz (:data:`HEARD_FORMAT`), and handed to ``heard``.
 
     aiortc's receiver puts each encoded frame its jitter buffer releases
     (``(codec, frame)``) on a queue that a thread of its own takes from; this
-    decodes it where it is put (Opus: some 50-80 µs a frame, none for silence). aiortc's thread,
+    decodes it where it is put (Opus: some 50-80 µs a frame, and 15 µs to
+    resample it; none for silence). aiortc's thread,
     which still starts, waits in :meth:`get` until the receiver stops
     (``put(None)``), and then ends the track as it would have.
 
@@ -313,29 +316,30 @@ class Hearing:
 
 def decoder(codec: Any) -> Callable[[Any], bytes]:
     """Decodes one of aiortc's encoded frames (``data``, ``timestamp``) of ``codec`` into what is heard: mono PCM16
-    at 48 kHz (:data:`HEARD_FORMAT`).
+    at 16 kHz (:data:`HEARD_FORMAT`).
 
     Opus decodes straight to mono (aiortc's own decoder gives stereo, for the call to mix down again), and a
     caller's silence is heard without decoding (:class:`OpusHeard`); any other codec a peer may choose (G.711,
     G.722) decodes as aiortc does.
     """
     if codec.name.lower() != "opus":
-        frames = get_decoder(codec).decode
-        return lambda encoded: b"".join(mono_pcm16(frame) for frame in frames(encoded) if isinstance(frame, AudioFrame))
+        frames, heard = get_decoder(codec).decode, ToHeard()
+        return lambda encoded: b"".join(heard(frame) for frame in frames(encoded) if isinstance(frame, AudioFrame))
     return OpusHeard()
 
 
 class OpusHeard:
-    """A caller's Opus, decoded to mono PCM16 at 48 kHz; its silence, the same packet again and again, heard
-    without decoding.
+    """A caller's Opus, decoded to mono and heard at 16 kHz (:class:`ToHeard`); its silence, the same packet again
+    and again, heard without decoding or resampling.
 
     A caller that sends silence every 20 ms (no DTX: a muted microphone, a bridge, aiortc) sends one packet
     over and over (libopus: 3 bytes a frame of digital silence; in its ``voip`` mode 32 bytes of a hiss at
     ±1), and decoding it was the largest share of the event loop's time per call (some 60 µs a packet of
-    140 on the 2-core AMD EPYC, 48 calls). Once a packet has decoded to the same sound twice in a row, the
-    decoder has settled on it: that packet again is that sound again, without decoding. Before the next
-    different packet it is decoded once (its sound already heard), so the decoder goes on from the state
-    it had settled in.
+    140 on the 2-core AMD EPYC, 48 calls), and resampling it the largest share of the listening thread's
+    (a third of its time at 40 calls, on the 2-core Xeon). Once a packet has been heard as the same sound
+    twice in a row, the decoder and the resampler have settled on it: that packet again is that sound
+    again, without either. Before the next different packet it is decoded and resampled once (its sound
+    already heard), so that both go on from the state they had settled in.
 
     Attributes:
         decoded: packets decoded; ``skipped``: packets heard without decoding.
@@ -345,7 +349,8 @@ class OpusHeard:
         self._context = CodecContext.create("libopus", "r")
         self._context.format = "s16"
         self._context.layout = "mono"
-        self._context.sample_rate = HEARD_FORMAT.rate
+        self._context.sample_rate = 48_000
+        self._heard = ToHeard()
         #: The last packet decoded and its sound, and whether the one before was the same packet and sound.
         self._last: tuple[bytes, bytes] = (b"", b"")
         self._settled = False
@@ -371,7 +376,7 @@ class OpusHeard:
 
     def _decode(self, data: bytes, timestamp: int) -> bytes:
         self.decoded += 1
-        return b"".join(mono_pcm16(frame) for frame in self._context.decode(_stamped(Packet(data), timestamp)))
+        return b"".join(self._heard(frame) for frame in self._context.decode(_stamped(Packet(data), timestamp)))
 
 
 def _signed(ticks: int) -> int:
@@ -426,22 +431,39 @@ def release_at_once(receiver: Any) -> bool:
     return True
 
 
-def mono_pcm16(frame: AudioFrame) -> bytes:
-    """A decoded frame as mono PCM16 at 48 kHz (:data:`HEARD_FORMAT`; aiortc's Opus decoder gives packed stereo)."""
+def mono(frame: AudioFrame) -> npt.NDArray[Any]:
+    """A decoded frame's samples in mono, at its own rate (aiortc's Opus decoder gives packed stereo)."""
     channels = len(frame.layout.channels)
-    if channels == 1 and frame.format.name == "s16" and frame.sample_rate == HEARD_FORMAT.rate:
-        return bytes(frame.planes[0])[: 2 * frame.samples]  # already what is heard (Opus, decoded here)
     pcm = frame.to_ndarray()
     if frame.format.is_planar:
-        samples = pcm.astype(np.int32).mean(axis=0) if pcm.shape[0] > 1 else pcm[0]
-    elif channels == 2:  # integer halves: several times cheaper than a mean, 50 frames a second
+        return np.asarray(pcm.astype(np.int32).mean(axis=0) if pcm.shape[0] > 1 else pcm[0])
+    if channels == 2:  # integer halves: several times cheaper than a mean, 50 frames a second
         flat = pcm.reshape(-1).astype(np.int32)
-        samples = (flat[0::2] + flat[1::2]) >> 1
-    elif channels > 1:
-        samples = pcm.reshape(-1, channels).astype(np.int32).mean(axis=1)
-    else:
-        samples = pcm.reshape(-1)
-    if frame.sample_rate != HEARD_FORMAT.rate:
-        floats = resample(np.asarray(samples, dtype=np.float32) / 32768.0, frame.sample_rate, HEARD_FORMAT.rate)
-        samples = np.clip(np.round(floats * 32767.0), -32768, 32767)
-    return np.asarray(samples, dtype="<i2").tobytes()
+        return (flat[0::2] + flat[1::2]) >> 1
+    if channels > 1:
+        return np.asarray(pcm.reshape(-1, channels).astype(np.int32).mean(axis=1))
+    return pcm.reshape(-1)
+
+
+def mono_pcm16(frame: AudioFrame) -> bytes:
+    """A decoded frame as mono PCM16 at its own rate."""
+    return np.asarray(mono(frame), dtype="<i2").tobytes()
+
+
+class ToHeard:
+    """Decoded frames, one after another, as what is heard: mono PCM16 at 16 kHz (:data:`HEARD_FORMAT`), resampled
+    as one stream (the filter's state goes on from frame to frame; a frame resampled alone would click at its
+    edges). aiortc's own Opus decoder gives packed stereo at 48 kHz, G.711 8 kHz."""
+
+    __slots__ = ("_resampler",)
+
+    def __init__(self) -> None:
+        self._resampler: Resampler | None = None
+
+    def __call__(self, frame: AudioFrame) -> bytes:
+        if frame.sample_rate == HEARD_FORMAT.rate:
+            return mono_pcm16(frame)
+        resampler = self._resampler
+        if resampler is None or resampler.src_rate != frame.sample_rate:
+            resampler = self._resampler = Resampler(frame.sample_rate, HEARD_FORMAT.rate)
+        return float_to_pcm16(resampler.process(np.asarray(mono(frame), dtype=np.float32) / 32768.0))
