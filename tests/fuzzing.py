@@ -284,6 +284,8 @@ class FuzzReport:
     stats: Counter[str] = field(default_factory=Counter)
     calm_latencies: list[float] = field(default_factory=list)
     rss_growth_mb: float = 0.0
+    #: The test whose ``FUZZ_SEED`` replays it.
+    test: str = "tests/test_session_fuzz.py"
 
     def summary(self) -> str:
         worst = max(self.calm_latencies, default=0.0)
@@ -295,7 +297,7 @@ class FuzzReport:
 
     def describe(self, sent_tail: int = 60, received_tail: int = 25) -> str:
         """The seed, how to replay it, and each distinct finding with its session's events."""
-        lines = [self.summary(), f"replay: FUZZ_SEED={self.seed} .venv/bin/python -m pytest tests/test_session_fuzz.py"]
+        lines = [self.summary(), f"replay: FUZZ_SEED={self.seed} .venv/bin/python -m pytest {self.test}"]
         seen: Counter[str] = Counter(f.kind() for f in self.findings)
         first = {f.kind(): f for f in reversed(self.findings)}
         lines += [f"  - [{f.who}] {f.what[:300]}  (seen {seen[kind]}x)" for kind, f in reversed(first.items())]

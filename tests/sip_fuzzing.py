@@ -343,7 +343,10 @@ class Caller:
 
 
 def _header(text: str, name: str) -> list[str]:
-    return [v.strip() for k, _, v in (line.partition(":") for line in text.split("\r\n")[1:]) if k.lower() == name]
+    """``name``'s values in a SIP message, its lines read as the server reads them (a bare LF ends one too)."""
+    head = re.split(r"\r?\n\r?\n", text, maxsplit=1)[0]
+    lines = re.split(r"\r?\n", head)[1:]
+    return [v.strip() for k, _, v in (line.partition(":") for line in lines) if k.lower() == name]
 
 
 def _reply(request: str, status: str) -> bytes:
@@ -475,11 +478,11 @@ async def _call(run: SurfaceRun, rng: random.Random, caller: Caller, sip_port: i
         again, what = build_invite(run, rng, caller, sip_port, "UDP", mutate=rng.random() < 0.5)
         again = again.replace("CSeq: 1 INVITE", "CSeq: 2 INVITE")
         for to in _header(ok, "to")[:1]:
-            again = re.sub(r"(?m)^To: .*$", lambda _, to=to: f"To: {to}", again)  # a literal: values may hold "\\"
+            again = re.sub(r"(?m)^To: [^\r\n]*", lambda _, to=to: f"To: {to}", again)  # a literal: values may hold "\\"
         for call_id in _header(text, "call-id")[:1]:
-            again = re.sub(r"(?m)^Call-ID: .*$", lambda _, c=call_id: f"Call-ID: {c}", again)
+            again = re.sub(r"(?m)^Call-ID: [^\r\n]*", lambda _, c=call_id: f"Call-ID: {c}", again)
         sender = "From: " + (_header(text, "from") or [""])[0]
-        again = re.sub(r"(?m)^From: .*$", lambda _: sender, again)
+        again = re.sub(r"(?m)^From: [^\r\n]*", lambda _: sender, again)  # its line's CR kept
         raw = again.encode("utf-8", "surrogatepass")[:65000]
         caller.record(f"reinvite: {what}", raw)
         # A CSeq not above the dialog's (1, the INVITE's; a mutation may cut or garble it) is out of order: RFC 3261

@@ -1873,7 +1873,7 @@ async def surface_fuzz(
 
     rng = random.Random(f"{seed}:run")
     keys = seed % 2 == 1
-    report = FuzzReport(seed, seconds, f"fake, {'keys on' if keys else 'no keys'}")
+    report = FuzzReport(seed, seconds, f"fake, {'keys on' if keys else 'no keys'}", test="tests/test_surface_fuzz.py")
     folder = folder or Path(os.environ.get("FUZZ_OUT") or tempfile.gettempdir()) / "s2s-rt-fuzz" / f"seed-{seed}"
     settings = SURFACE_CONFIG | {"allowed_origins": [ALLOWED_ORIGIN]}
     if keys:

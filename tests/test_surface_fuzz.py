@@ -143,6 +143,24 @@ def test_a_stall_of_the_fuzzers_own_loop_is_its_own_finding() -> None:
     assert finding.startswith(f"fuzzer: its own loop stalled {SELF_STALL_S + 0.3:.1f} s")
 
 
+def test_the_fuzzer_reads_a_sip_messages_headers_as_the_server_does() -> None:
+    """A re-INVITE whose From, To and Call-ID lines had lost their CR (the fuzzer's own rewriting did that) was
+    read by the server, which then answered its CSeq, out of order, with RFC 3261's 500; the fuzzer, reading
+    CRLF lines only, saw no CSeq and called the 500 a fault."""
+    from aiosipua.message import SipMessage
+    from sip_fuzzing import _header
+
+    raw = (
+        "INVITE sip:agent@127.0.0.1:5060 SIP/2.0\r\nVia: SIP/2.0/UDP 127.0.40.1:45625;branch=z9hG4bKe5\r\n"
+        "From: <sip:fuzz@127.0.40.1>;tag=600c\nTo: <sip:agent@127.0.0.1>;tag=6d59\nCall-ID: fuzz-600c@127.0.40.1\n"
+        "CSeq: 1\r\nMax-Forwards: 70\r\nContent-Length: 9\r\n\r\nCSeq: 7\r\n"
+    )
+    server = SipMessage.parse(raw)
+    for name in ("cseq", "call-id", "from", "to", "via"):
+        assert _header(raw, name) == [server.headers.get_first(name)], name
+    assert _header(raw, "cseq") == ["1"]  # the body's line is not a header
+
+
 def test_an_address_elsewhere_is_recognised_and_never_sent(here: Here) -> None:
     for elsewhere in (
         "10.9.8.7",
