@@ -319,8 +319,8 @@ def decoder(codec: Any) -> Callable[[Any], bytes]:
     at 16 kHz (:data:`HEARD_FORMAT`).
 
     Opus decodes straight to mono (aiortc's own decoder gives stereo, for the call to mix down again), and a
-    caller's silence is heard without decoding (:class:`OpusHeard`); any other codec a peer may choose (G.711,
-    G.722) decodes as aiortc does.
+    caller's silence is heard without decoding or resampling (:class:`OpusHeard`); any other codec a peer may
+    choose (G.711, G.722) decodes as aiortc does, and is resampled as one stream (:class:`ToHeard`).
     """
     if codec.name.lower() != "opus":
         frames, heard = get_decoder(codec).decode, ToHeard()
