@@ -81,6 +81,12 @@ async def _free(server: Any, n: int) -> bool:
     return server.pool.free == n
 
 
+async def _all_ended(server: Any, n: int) -> bool:
+    """Every call forgotten and ``n`` slots free: a slot comes back as its session ends, and the call is forgotten
+    once its RTP is closed, just after (so one is waited for, not only the other)."""
+    return await _free(server, n) and await _no_calls(server)
+
+
 def test_a_call_is_answered_in_speech_and_its_slot_comes_back_when_the_caller_hangs_up(tmp_path: Path) -> None:
     async def scenario() -> None:
         async with live_server(pool_size=2, sip_port=0, sip_accept=True) as server:
@@ -98,8 +104,7 @@ def test_a_call_is_answered_in_speech_and_its_slot_comes_back_when_the_caller_ha
             )
             assert ear.payload_types <= {0, 8} and ear.payload_types
             assert ear.loud_samples >= 8000 // 2  # half a second of answer at least
-            assert await eventually(lambda: _free(server, 2), 5)
-            assert not server.phones.calls
+            assert await eventually(lambda: _all_ended(server, 2), 5), server.phones.calls
 
     run(scenario())
 
@@ -317,8 +322,7 @@ def test_the_sdk_rejects_a_call_with_its_status_and_an_unanswered_call_times_out
                 # Nobody answers this one: refused with 480 once sip_answer_timeout_s has passed.
                 rc, out = await sipp(tmp_path / "unanswered", refused(480), server.phones.port)
                 assert rc == 0, out[-3000:]
-                assert await eventually(lambda: _free(server, 1), 5)
-                assert not server.phones.calls
+                assert await eventually(lambda: _all_ended(server, 1), 5), server.phones.calls
 
     run(scenario())
 
@@ -346,8 +350,7 @@ def test_a_flood_of_invites_leaves_no_call_or_slot_behind() -> None:
                 sock.sendto(invite.encode() if i % 3 else invite.encode()[: 40 + i], ("127.0.0.1", port))
             sock.close()
             await asyncio.sleep(1.0)
-            assert await eventually(lambda: _free(server, 2), 5)
-            assert not server.phones.calls
+            assert await eventually(lambda: _all_ended(server, 2), 5), server.phones.calls
             assert all(not agent.active_calls for agent in server.phones._agents)
             async with RealtimeClient.connect(server) as other:  # nobody else noticed
                 await other.until("session.created")
@@ -596,7 +599,7 @@ def test_a_caller_who_gives_up_while_it_rings_frees_the_slot_and_cannot_be_accep
                     raise AssertionError("a cancelled call was accepted")
                 except Exception as exc:
                     assert getattr(exc, "status_code", None) == 404, exc
-                assert not server.phones.calls
+                assert await eventually(lambda: _no_calls(server), 5), server.phones.calls
 
     run(scenario())
 
@@ -666,8 +669,7 @@ def test_a_call_whose_caller_sends_no_media_is_hung_up_and_its_slot_comes_back(
             took = time.monotonic() - began
             assert rc == 0, out[-3000:]
             assert took >= 1.5 + (2.0 if talks_first else 0.0), took  # not while media came, nor soon after
-            assert await eventually(lambda: _free(server, 1), 5)
-            assert not server.phones.calls
+            assert await eventually(lambda: _all_ended(server, 1), 5), server.phones.calls
 
     run(scenario())
 

@@ -324,7 +324,8 @@ def test_a_calls_audio_packets_are_heard_without_aiortcs_path_and_its_receiver_r
             for _ in range(400):
                 stats = await sender.getStats()
                 reports = [s for s in stats.values() if s.type == "remote-inbound-rtp"]
-                if len(heard) >= 100 and reports:
+                # A receiver report is sent every 0.5-1.5 s: wait for one sent after 50 packets came.
+                if len(heard) >= 100 and reports and reports[0].packetsReceived >= 50:
                     break
                 await asyncio.sleep(0.02)
             assert len(heard) >= 100  # 2 s of the peer's silence heard
