@@ -85,6 +85,7 @@ def test_hostile_session_cannot_stop_the_default_stack_or_its_neighbour(default_
     # passed, the calm turns taking 5-7 s.
     avoid = frozenset({"huge_append", "long_prompts", "mcp"})
     report = run(fuzz(seed, 6.0, hostile=1, calm=1, stack="default", speech=speech, avoid=avoid), timeout=120)
+    print(report.summary(), flush=True)
     check_reports([report])
 
 
