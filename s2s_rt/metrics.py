@@ -183,7 +183,7 @@ class Metrics:
         )
         self.held = Gauge(
             "s2s_session_bytes",
-            "Bytes all sessions hold, by budget (output, input_audio, conversation, resampler_cache).",
+            "Bytes sessions hold, by budget (output, input_audio, conversation; resampler_cache: plans all share).",
             lambda: {(("budget", k),): float(v) for k, v in held_bytes().items()},
         )
         self.rss = Gauge("process_resident_memory_bytes", "Resident memory of this process.", _resident_bytes)

@@ -251,7 +251,6 @@ class Slot:
             "output": self._outbox.budget.used,
             "input_audio": ctx.audio.waiting_bytes if ctx is not None else 0,
             "conversation": ctx.session.conversation.bytes if ctx is not None else 0,
-            "resampler_cache": ctx.audio.resampler.cache_bytes if ctx is not None else 0,
         }
 
     # --- lifecycle ------------------------------------------------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from s2s_rt.audio import AudioFormat, AudioFormatError, Resampler, resample
+from s2s_rt.audio import PLANS, AudioFormat, AudioFormatError, Resampler, _filter_bank, resample
 from s2s_rt.engines.base import PIPELINE_RATE
 
 FORMATS = [
@@ -52,6 +52,48 @@ def test_streaming_resampler_matches_one_shot_whatever_the_chunking(src: int, ds
     pieces = np.concatenate([r.process(c) for c in np.array_split(x, 53)])
     assert len(pieces) == len(whole)
     assert np.max(np.abs(pieces - whole)) < 1e-4
+
+
+@pytest.mark.parametrize(("src", "dst"), [(24_000, 16_000), (48_000, 16_000), (8_000, 16_000), (22_050, 24_000)])
+def test_each_output_is_its_phases_filter_over_the_inputs_before_it(src: int, dst: int) -> None:
+    """The definition, computed output by output: output k sits at input position k*down/up and is the
+    dot product of the taps inputs up to it (zeros before the first) with the filter of its phase."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal(9_000).astype(np.float32) * 0.3
+    r = Resampler(src, dst)
+    # Chunks of many lengths (some shorter than a filter, some of hundreds of outputs), at every phase.
+    cuts = np.cumsum(rng.integers(0, 700, 40))
+    got = np.concatenate([r.process(c) for c in np.split(x, cuts[cuts < len(x)])])
+    up, down, taps = r.up, r.down, 16
+    bank = _filter_bank(up, down, taps)
+    padded = np.concatenate([np.zeros(taps - 1, np.float32), x])
+    k = np.arange(len(got))
+    newest = k * down // up
+    expected = np.array([padded[n : n + taps] @ bank[p] for n, p in zip(newest, k * down % up, strict=True)])
+    assert len(got) == -(-len(x) * up // down)  # every output whose newest input came
+    assert np.allclose(got, expected, atol=1e-6), np.max(np.abs(got - expected))
+
+
+def test_sessions_at_the_same_rates_share_plans_and_odd_lengths_do_not_take_a_steady_ones() -> None:
+    steady, other = Resampler(24_000, 16_000), Resampler(24_000, 16_000)
+    chunk = np.zeros(480, np.float32)
+    steady.process(chunk)
+    other.process(chunk)
+    plan = steady._plan_for(480)
+    assert other._plan_for(480) is plan  # one plan for both sessions, not one each
+    # Another client's long appends of odd lengths fill the process's plans past their bound (emptying them)…
+    odd = Resampler(24_000, 16_000)
+    seen = [PLANS.bytes]
+    for n in range(200):
+        odd.process(np.zeros(40_000 + 3 * n, np.float32))
+        seen.append(PLANS.bytes)
+        assert PLANS.bytes <= PLANS.limit
+        if seen[-1] < seen[-2]:
+            break
+    assert seen[-1] < seen[-2], seen  # emptied at least once
+    # …and the steady session goes on with its plan, not one made again.
+    steady.process(chunk)
+    assert steady._plan_for(480) is plan
 
 
 def test_resampled_length_follows_the_rate_ratio() -> None:

@@ -16,15 +16,13 @@ format; the ``onnx`` package is not needed.
 
 from __future__ import annotations
 
-import ctypes
-import glob
-import os
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
+
+from s2s_rt.blas import blas_on_one_thread
 
 Float32Array = npt.NDArray[np.float32]
 
@@ -161,34 +159,6 @@ def read_weights(model_path: Path) -> dict[str, Float32Array]:
             raise WeightsNotFound(f"{model_path}: no single 16 kHz {suffix} of shape {shape}")
         found[suffix] = tensors[names[0]]
     return found
-
-
-# --- numpy's BLAS on one thread in the VAD's worker ----------------------------------------------------
-
-
-def _blas_local_threads() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    """OpenBLAS's ``openblas_set_num_threads_local`` (0.3.27+, bundled with numpy's wheels), if loaded."""
-    libs = os.path.join(os.path.dirname(np.__file__), os.pardir, "numpy.libs", "*openblas*")
-    for path in sorted(glob.glob(libs)):
-        try:
-            function = ctypes.CDLL(path).openblas_set_num_threads_local
-        except (OSError, AttributeError):
-            continue
-        function.argtypes, function.restype = [ctypes.c_int], ctypes.c_int
-        return function
-    return None
-
-
-_SET_LOCAL_THREADS = _blas_local_threads()
-_one_thread = threading.local()
-
-
-def blas_on_one_thread() -> None:
-    """Keep numpy's matrix products in the calling thread to that thread (OpenBLAS would otherwise wake a
-    thread per core for each product, and spin them: more CPU for the same work, taken from other stages)."""
-    if _SET_LOCAL_THREADS is not None and not getattr(_one_thread, "set", False):
-        _SET_LOCAL_THREADS(1)
-        _one_thread.set = True
 
 
 # --- the forward pass ---------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from typing import Any
 
 from websockets.asyncio.server import serve
 
+from s2s_rt.audio import PLANS
 from s2s_rt.config import DEFAULT_SPECULATE_AFTER_MS, Config, mib
 from s2s_rt.engines.base import KeepsPrefixes, Stack
 from s2s_rt.inference import StagePool
@@ -374,11 +375,12 @@ class Server:
         }
 
     def _held_bytes(self) -> dict[str, int]:
-        held = {"output": 0, "input_audio": 0, "conversation": 0, "resampler_cache": 0}
+        held = {"output": 0, "input_audio": 0, "conversation": 0}
         for slot in self.pool.slots if self.pool is not None else ():
             for where, size in slot.held_bytes().items():
                 held[where] += size
-        return held
+        # The resampling plans are the process's, shared by every session's resamplers (bounded as a whole).
+        return held | {"resampler_cache": PLANS.bytes}
 
     def _overdue_calls(self) -> int:
         return sum(p.overdue for p in self.pools.values())
