@@ -311,6 +311,7 @@ class Resampler:
         samples = np.asarray(samples, dtype=np.float32)
         if self.up == self.down:
             return samples
+        blas_on_one_thread()  # a second's chunk is a product big enough for OpenBLAS to wake its threads
         if len(samples) <= BLOCK_SAMPLES:
             return self._process(samples)
         pieces = [self._process(samples[i : i + BLOCK_SAMPLES]) for i in range(0, len(samples), BLOCK_SAMPLES)]

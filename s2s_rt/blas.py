@@ -3,8 +3,8 @@
 OpenBLAS (bundled with numpy's wheels) splits a product above a small size
 across a thread per core, and spins those threads between products: on two
 cores that is more CPU for the same work, taken from the other stages. The
-VAD's forward pass and the batched resampling each multiply in their own
-worker thread, and ask for one thread there.
+VAD's forward pass and the resampling (in the listening worker, on the event
+loop, in the speaking stage's thread) ask for one thread wherever they run.
 """
 
 from __future__ import annotations
