@@ -233,6 +233,7 @@ class _Plan:
         """The outputs of ``inputs`` (one row, or one row per stream: the history then the chunk)."""
         lead = inputs.shape[:-1]
         span = self.index.shape[1]
+        # 1.1 to 1.8 times the inputs, by the ratio (a gather per output took 16 inputs for each).
         gathered = inputs[..., self.index]  # (..., pieces, span)
         if len(self.groups) == 1 and self.groups[0][1] is None:
             out = gathered.reshape(-1, span) @ self.table[self.groups[0][0]]
