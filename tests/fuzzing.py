@@ -90,6 +90,7 @@ from s2s_rt.engines.base import (
     Transcript,
 )
 from s2s_rt.engines.fake import EnergyVAD, load_fake_stack
+from s2s_rt.engines.prompt_cache import DEFAULT_MODEL_STATE_BYTES_PER_TOKEN
 from s2s_rt.listening.remote import HearingProcess
 
 #: The word that marks a hostile session's work: only work carrying it fails on purpose.
@@ -100,10 +101,10 @@ CALM_TURN_S = 10.0
 SETTLE_S = 15.0
 #: Most the process's resident memory may grow over one run, besides the LLM's kept conversation state.
 RSS_GROWTH_MB = 400.0
-#: The kept conversation state of a token of the default LLM (README: 168 KB a token; 24 layers x 14 heads x
-#: 64 dimensions x keys and values x float32). It grows by design up to ``llm_prefix_cache_tokens`` (6000, about
-#: 1 GB): a 6 s run of the default stack kept 1,450-1,700 tokens of it (240-280 MB) in three seeds.
-KEPT_STATE_MB_PER_TOKEN = 168 / 1024
+#: The kept conversation state of a token of the default LLM. It grows by design up to
+#: ``llm_prefix_cache_tokens`` (6000, about 1 GB): a 6 s run of the default stack kept 1,450-1,700 tokens of it
+#: (240-280 MB) in three seeds.
+KEPT_STATE_MB_PER_TOKEN = DEFAULT_MODEL_STATE_BYTES_PER_TOKEN / 2**20
 #: Patterns a run can be told to avoid (``FUZZ_AVOID``), to look past a known bug for others.
 AVOIDABLE = frozenset(
     {
