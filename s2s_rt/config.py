@@ -185,6 +185,9 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ice_servers: list[str] = []
     #: UDP ports for WebRTC media, ``LOW-HIGH`` (each call takes one per host address); none: any free port.
     media_ports: str | None = None
+    #: WebRTC calls' UDP sockets are read together this often (a wake-up of the loop for every call, not one
+    #: for each datagram: a caller sends one every 20 ms); 0: each datagram as it comes.
+    media_poll_ms: float = 20.0
     #: A call whose data channel has not opened this long after its offer (ICE never completed) ends.
     call_timeout_s: float = 15.0
     #: Phone calls over SIP (UDP and TCP) on this port; None: off. A PBX or trunk sends its INVITEs here.
@@ -299,6 +302,8 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ConfigError("sip_media_timeout_s must be above 0 and at most 600")
         if not 10 <= self.max_client_secret_s <= 86400:
             raise ConfigError("max_client_secret_s must be 10..86400")
+        if not 0 <= self.media_poll_ms <= MAX_MEDIA_POLL_MS:  # also refuses NaN
+            raise ConfigError(f"media_poll_ms must be within 0..{MAX_MEDIA_POLL_MS:g}, not {self.media_poll_ms}")
         if self.media_ports is not None:
             try:
                 port_range(self.media_ports)
@@ -345,6 +350,9 @@ ENV_PREFIX = "S2S_RT_"
 #: The most ``listen_s_per_tick`` may be: ten times that of one session's audio at 48 kHz (turn detection off) must
 #: fit one exchange with the hearing process (:data:`s2s_rt.listening.remote.IN_BYTES`).
 MAX_LISTEN_S_PER_TICK = 5.0
+#: A call's packet waits at most this long to be read: within a gap in its packets before it is heard as
+#: silence (``webrtc_audio.GAP_S``, 60 ms).
+MAX_MEDIA_POLL_MS = 40.0
 
 
 def pairs(items: list[str]) -> dict[str, str]:

@@ -39,6 +39,7 @@ from websockets.asyncio.messages import Assembler
 from websockets.asyncio.server import ServerConnection, serve
 
 from s2s_rt.server import internals, webrtc, webrtc_audio
+from s2s_rt.server.call_sockets import CallSockets
 from s2s_rt.server.direct import DirectConnection
 
 
@@ -479,7 +480,7 @@ def test_an_aioice_whose_protocol_calls_elsewhere_keeps_the_media_unguarded_and_
     assert "taken as fast as its caller sends it" in record.getMessage()
 
 
-# --- aioice: host candidates' ports (s2s_rt.server.webrtc.bind_media_in) -----------------------------------
+# --- aioice: host candidates' ports (s2s_rt.server.call_sockets.CallSockets) ------------------------------
 
 
 def test_aioice_binds_host_candidates_in_the_range_the_loop_is_given() -> None:
@@ -487,7 +488,7 @@ def test_aioice_binds_host_candidates_in_the_range_the_loop_is_given() -> None:
     ports = range(47200, 47220)
 
     async def scenario() -> None:
-        webrtc.bind_media_in(ports)
+        CallSockets(ports, 0).install()
         connection = aioice.ice.Connection(ice_controlling=True)
         try:
             await connection.gather_candidates()
@@ -513,7 +514,7 @@ def test_an_aioice_that_binds_otherwise_fails_every_call_loudly(monkeypatch: pyt
 
     async def scenario() -> None:
         with pytest.raises(RuntimeError, match=rf"^aioice {version}: Connection.get_component_candidates"):
-            webrtc.bind_media_in(range(47200, 47220))
+            CallSockets(range(47200, 47220), 0).install()
 
     run(scenario())
 
@@ -529,7 +530,7 @@ def test_a_call_bound_outside_its_range_is_refused() -> None:
 
     async def scenario() -> None:
         internals.require_ports_in_range(sdp.replace("47205 typ", "50000 typ"))  # no range set: anything goes
-        webrtc.bind_media_in(range(47200, 47220))
+        CallSockets(range(47200, 47220), 0).install()
         internals.require_ports_in_range(sdp)  # a server-reflexive port is the NAT's, not bound here
         with pytest.raises(RuntimeError, match=rf"^aioice {internals.version('aioice')}: .*\[50000\]"):
             internals.require_ports_in_range(sdp.replace("47205 typ", "50000 typ"))

@@ -317,6 +317,12 @@ async def _free(server: Any, n: int) -> bool:
     return server.pool.free == n
 
 
+async def _all_ended(server: Any, n: int) -> bool:
+    """``n`` slots free and no call left: a call is forgotten once its peer connection has closed, a moment
+    after its session ended and gave its slot back."""
+    return server.pool.free == n and not server.calls.calls
+
+
 def test_nothing_of_a_call_stays_referenced_after_it_ends() -> None:
     """A call's session, context, call, peer connection (its audio receiver and transport too) and playback are
     freed by reference counting once it hangs up: not left to the cyclic collector, which the server runs
@@ -357,7 +363,7 @@ def test_a_call_whose_ice_never_completes_frees_its_slot_within_its_timeout() ->
             waited = time.monotonic() - begun
             print(f"\nslot freed {waited:.2f} s after the offer was answered (timeout 1.5 s)")
             assert waited <= 1.5 + 1.0
-            assert not server.calls.calls
+            assert await eventually(lambda: _all_ended(server, 2), 2)
             await pc.close()
 
     run(scenario())
@@ -391,6 +397,7 @@ def test_twenty_calls_opened_and_abandoned_leave_every_slot_idle() -> None:
                 for call in calls:
                     await call.close()
             assert opened == 20
+            assert await eventually(lambda: _all_ended(server, 4), 5)
             assert server.pool.states() == {
                 "idle": 4,
                 "active": 0,
@@ -399,7 +406,6 @@ def test_twenty_calls_opened_and_abandoned_leave_every_slot_idle() -> None:
                 "crashed": 0,
                 "resting": 0,
             }
-            assert not server.calls.calls
 
     run(scenario(), timeout=120)
 
@@ -703,8 +709,7 @@ def test_calls_doing_anything_in_any_order_leave_the_pool_whole_and_a_calm_sessi
                     await call.close()
             for pc in strays:
                 await pc.close()
-            assert await eventually(lambda: _free(server, 4), 10), server.pool.states()
-            assert not server.calls.calls
+            assert await eventually(lambda: _all_ended(server, 4), 10), (server.pool.states(), server.calls.calls)
             assert [server.pool.states()[s] for s in ("quarantined", "crashed", "resting")] == [0, 0, 0]
 
     run(scenario(), timeout=90)

@@ -203,6 +203,34 @@ def test_a_callers_dtx_gaps_are_heard_as_silence_in_real_time() -> None:
     run(scenario())
 
 
+def test_a_packet_waiting_to_be_read_when_a_gap_is_checked_is_heard_as_itself_not_as_silence() -> None:
+    """The calls' sockets are read on a clock: when a caller's packets seem to have stopped, what waits on its
+    socket is read before the gap is heard as silence, so a packet that came in time is heard as it is."""
+
+    async def scenario() -> None:
+        heard: list[bytes] = []
+        waiting: list[int] = []
+        speech = _opus_packets(np.frombuffer(tone(300, 0.4), dtype="<i2"))
+
+        def read_waiting() -> None:  # what the call's sockets hold, handed over at once
+            while waiting:
+                i = waiting.pop(0)
+                hearing.put((OPUS, JitterFrame(speech[i], i * OPUS_FRAME)))
+
+        hearing = Hearing(heard.append, lambda why: None, "rtc_waiting", read_waiting)
+        for i in range(5):
+            hearing.put((OPUS, JitterFrame(speech[i], i * OPUS_FRAME)))
+            await asyncio.sleep(0.02)
+        waiting.append(5)  # came, but not read yet when the gap is checked (60 ms on)
+        await asyncio.sleep(0.09)
+        hearing.put(None)
+        voiced = [np.abs(np.frombuffer(pcm, dtype="<i2")).max() > 1000 for pcm in heard]
+        assert not waiting and len(voiced) >= 6 and all(voiced[:6]), voiced  # the sixth heard, as speech
+        assert len(heard[5]) == 20 * KHZ * 2
+
+    run(scenario())
+
+
 def test_a_jump_in_a_callers_rtp_time_is_heard_as_silence_only_within_a_bound() -> None:
     async def scenario() -> None:
         heard: list[bytes] = []

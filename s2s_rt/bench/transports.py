@@ -219,8 +219,19 @@ async def held_open(opts: argparse.Namespace, server: ServerHandle, kind: str, s
     after, t1 = server.proc(), time.perf_counter()
     stop.set()
     await asyncio.gather(*tasks, return_exceptions=True)
+    await _sessions_ended(server)
     busy = None if before is None or after is None else (after.cpu_s - before.cpu_s) / (t1 - t0)
     return {"transport": kind, "sessions": n, "server_cores_busy": busy, "per_session": busy / n if busy else None}
+
+
+async def _sessions_ended(server: ServerHandle, timeout_s: float = 15.0) -> None:
+    """Wait until the server serves no session: a window's sessions end there a moment after their clients
+    close (a call once the server reads the caller's goodbye), and the next window needs every slot."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if (await server.metrics()).get(("s2s_sessions_active", ()), 0.0) == 0.0:
+            return
+        await asyncio.sleep(0.1)
 
 
 async def _discard(ws: Any) -> None:

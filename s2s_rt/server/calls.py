@@ -27,11 +27,12 @@ from s2s_rt.config import Config, port_range
 from s2s_rt.metrics import Metrics
 from s2s_rt.protocol.errors import ProtocolError
 from s2s_rt.protocol.server_events import BETA, GA, new_id
+from s2s_rt.server.call_sockets import CallSockets
 from s2s_rt.server.connection import Connections, Refusal
 from s2s_rt.server.handshake import asked_model, offered_keys, wants_beta, wants_transcription
 from s2s_rt.server.posts import json_of
 from s2s_rt.server.secrets import session_update
-from s2s_rt.server.webrtc import Call, bind_media_in, check_consent_often, ice_configuration
+from s2s_rt.server.webrtc import Call, check_consent_often, ice_configuration
 
 log = logging.getLogger(__name__)
 
@@ -169,6 +170,9 @@ class Calls:
         self.connections = connections
         self.configuration = ice_configuration(config.ice_servers)
         check_consent_often()
+        #: Every call's UDP sockets: where they are bound, and read on a clock (its task: :meth:`CallSockets.run`).
+        media_ports = port_range(config.media_ports) if config.media_ports is not None else None
+        self.sockets = CallSockets(media_ports, config.media_poll_ms / 1000)
         contain_library_tasks(connections.metrics)
         self.calls: dict[str, Call] = {}
         #: Each call's serving task, until its session has ended and its peer connection closed.
@@ -177,8 +181,7 @@ class Calls:
     async def create(self, request: Request, body: bytes, client: str) -> Response:
         """Answer an offer: a slot claimed, the session made, the SDP answer (201, ``Location``)."""
         connections = self.connections
-        if self.config.media_ports is not None:
-            bind_media_in(port_range(self.config.media_ports))
+        self.sockets.install()  # as its task did when the server started (a test's loop may lack the task)
         try:
             offer, config = offer_of(request, body)
             update, transcription = session_update(config, "session")
@@ -214,7 +217,9 @@ class Calls:
             connections.metrics.rejections.inc(reason=slot.code)
             return api_error(HTTPStatus.SERVICE_UNAVAILABLE, slot.code, slot.text), False
         metrics = connections.metrics
-        call = Call(new_id("rtc"), self.configuration, lambda: metrics.media_dropped.inc(transport="webrtc"))
+        call = Call(
+            new_id("rtc"), self.configuration, lambda: metrics.media_dropped.inc(transport="webrtc"), self.sockets
+        )
         call.secret = secret.value if secret is not None else None
         try:
             session = connections.new_session(

@@ -62,9 +62,13 @@ aioice (aiortc's dependency: >=0.12,<1 for aiortc 1.16.0, >=0.10.1 for
   transport reads.
 - ``Connection.get_component_candidates`` binds each host candidate with
   ``asyncio.get_running_loop().create_datagram_endpoint(..., local_addr=(address, 0))``:
-  the loop's method is wrapped to bind within ``media_ports``
-  (:func:`~s2s_rt.server.webrtc.bind_media_in`). aioice's pull requests #63
-  and #112 would add a port range; neither is released.
+  the loop's method is wrapped to bind within ``media_ports``, and to make
+  the socket of each (for its ``StunProtocol``, with a transport of the
+  server's that is read on a clock: ``media_poll_ms``)
+  (:class:`~s2s_rt.server.call_sockets.CallSockets`). aioice's pull
+  requests #63 and #112 would add a port range; neither is released.
+  ``StunProtocol.receiver``, the ``Connection`` a protocol hands its
+  datagrams to, says which call's sockets to read at once.
 
 aiosipua (``pyproject.toml``: >=0.7.1,<0.8; read in 0.7.1), used by
 :mod:`~s2s_rt.server.sip`:
@@ -369,7 +373,7 @@ def guard_media(ice_transport: Any, allowed: Callable[[], bool], take: Callable[
     if missing:
         _said_once(missing, "a call's media is taken as fast as its caller sends it", "aioice")
         return False
-    connection = getattr(ice_transport.iceGatherer, ICE_CONNECTION)
+    connection = ice_connection(ice_transport)
     inner = connection.data_received
 
     def guarded(data: bytes, component: int) -> None:
@@ -379,6 +383,11 @@ def guard_media(ice_transport: Any, allowed: Callable[[], bool], take: Callable[
 
     connection.data_received = guarded
     return True
+
+
+def ice_connection(ice_transport: Any) -> Any:
+    """The aioice ``Connection`` of ``ice_transport`` (an ``RTCIceTransport``; its gatherer's)."""
+    return getattr(ice_transport.iceGatherer, ICE_CONNECTION)
 
 
 def close_rtp_sockets(rtp_session: Any) -> None:

@@ -242,6 +242,9 @@ class Server:
                     tg.create_task(supervise("listening cost", clock.remeasure, self.metrics), name="listening-cost")
                 )
                 tasks.append(tg.create_task(supervise("loop-lag", self._watch_loop_lag, self.metrics), name="loop-lag"))
+                tasks.append(
+                    tg.create_task(supervise("call sockets", calls.sockets.run, self.metrics), name="call-sockets")
+                )
                 handle = connections.handle
                 if phones is not None:
                     handle = functools.partial(connections.handle, phone_calls=phones.watch)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import re
 from collections.abc import Callable
 from typing import Any
@@ -37,6 +36,7 @@ from s2s_rt.budget import PacketBudget
 from s2s_rt.memory import weakly
 from s2s_rt.pipeline.ports import EventTooLarge
 from s2s_rt.server import internals
+from s2s_rt.server.call_sockets import CallSockets
 from s2s_rt.server.playout import CallEnded
 from s2s_rt.server.webrtc_audio import HEARD_FORMAT, Playback, ToHeard, hear_on_the_loop, release_at_once
 from s2s_rt.server.webrtc_rtp import AudioPackets
@@ -91,9 +91,15 @@ class Call:
     transport = "WebRTC"
 
     def __init__(
-        self, call_id: str, configuration: RTCConfiguration, dropped: Callable[[], None] = lambda: None
+        self,
+        call_id: str,
+        configuration: RTCConfiguration,
+        dropped: Callable[[], None] = lambda: None,
+        sockets: CallSockets | None = None,
     ) -> None:
         self.id = call_id
+        #: The process's call sockets, which read this call's (None: the loop reads them as datagrams come).
+        self._sockets = sockets
         #: The caller's media datagrams past this budget are dropped before aiortc reads them.
         self._media = PacketBudget(f"call {call_id}", dropped, weakly(self.end))
         self.pc = RTCPeerConnection(configuration)
@@ -172,7 +178,7 @@ class Call:
         receiver = audio[0].receiver
         ours = release_at_once(receiver)
         # Its audio is decoded as it comes, on the loop (else aiortc's thread delivers it to the track: _listen).
-        ours &= hear_on_the_loop(receiver, weakly(self._heard), weakly(self.end), self.id)
+        ours &= hear_on_the_loop(receiver, weakly(self._heard), weakly(self.end), self.id, weakly(self._read_media))
         answer = await self.pc.createAnswer()
         await self.pc.setLocalDescription(answer)
         internals.require_ports_in_range(sdp := str(self.pc.localDescription.sdp))  # not ports a firewall drops
@@ -190,13 +196,22 @@ class Call:
         loop each): a caller sending 1,500 packets a second took a third of a core.
         """
         loop, media = asyncio.get_running_loop(), self._media
+        audio = self._audio
+        for ice in self._ice_transports():
+            take = audio if audio is not None and ice is audio.ice else None
+            internals.guard_media(ice, lambda: media.take(loop.time()), take)
+
+    def _ice_transports(self) -> set[Any]:
         transports = {t.receiver.transport.transport for t in self.pc.getTransceivers() if t.receiver.transport}
         if self.pc.sctp is not None:
             transports.add(self.pc.sctp.transport.transport)
-        audio = self._audio
-        for ice in transports:
-            take = audio if audio is not None and ice is audio.ice else None
-            internals.guard_media(ice, lambda: media.take(loop.time()), take)
+        return transports
+
+    def _read_media(self) -> None:
+        """Read what waits on the call's sockets now (the process reads them on a clock: :attr:`_sockets`)."""
+        if self._sockets is not None:
+            for ice in self._ice_transports():
+                self._sockets.read(internals.ice_connection(ice))
 
     def end(self, why: str) -> None:
         """The call is over: nothing more is sent or heard; the peer connection closes in the background."""
@@ -247,9 +262,17 @@ class Call:
         channel.on("message", weakly(self._message))
         channel.on("close", weakly(self._channel_closed))
         if channel.readyState == "open":
-            self.opened.set()
+            self._set_up()
         else:
-            channel.on("open", self.opened.set)
+            channel.on("open", weakly(self._set_up))
+
+    def _set_up(self) -> None:
+        """The call is set up (ICE, DTLS and its events channel): its sockets are read on the process's clock
+        from now on, where each datagram of the setup's round trips was read as it came."""
+        self.opened.set()
+        if self._sockets is not None:
+            for ice in self._ice_transports():
+                self._sockets.settle(internals.ice_connection(ice))
 
     def _message(self, data: str | bytes) -> None:
         if self.gone.is_set():
@@ -359,38 +382,6 @@ def max_message_size(channel: Any) -> int:
     aiortc keeps it privately on the SCTP transport (since 1.16) and refuses a larger one with ``ValueError``.
     """
     return int(getattr(getattr(channel, "transport", None), "_remote_max_message_size", 0) or 0)
-
-
-def bind_media_in(ports: range) -> None:
-    """Bind every UDP socket of this event loop that asks for any port (``port 0``) within ``ports`` instead.
-
-    aiortc's ICE binds one UDP socket per host address for each call, and
-    offers no port range of its own; a firewall or a Kubernetes Service that
-    forwards a fixed range needs one. The only UDP sockets the server opens
-    are its calls', so the loop's ``create_datagram_endpoint`` is wrapped:
-    it tries the range's ports from a random start, and raises ``OSError``
-    when all of them are taken (that call then fails; the others go on).
-    """
-    loop = asyncio.get_running_loop()
-    original = loop.create_datagram_endpoint
-    if getattr(original, "media_ports", None) == ports:
-        return
-    internals.require_binds()  # or RuntimeError; and Call.answer checks each call's ports
-
-    async def in_range(factory: Any, local_addr: Any = None, **kw: Any) -> Any:
-        if local_addr is None or local_addr[1] != 0:
-            return await original(factory, local_addr=local_addr, **kw)
-        start = random.randrange(len(ports))
-        for i in range(len(ports)):
-            port = ports[(start + i) % len(ports)]
-            try:
-                return await original(factory, local_addr=(local_addr[0], port, *local_addr[2:]), **kw)
-            except OSError:
-                continue
-        raise OSError(f"no free UDP port for media in {ports.start}-{ports.stop - 1}")
-
-    in_range.media_ports = ports  # type: ignore[attr-defined]
-    loop.create_datagram_endpoint = in_range  # type: ignore[method-assign,assignment]
 
 
 def ice_configuration(servers: list[str]) -> RTCConfiguration:

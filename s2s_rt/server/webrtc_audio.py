@@ -218,10 +218,19 @@ class Hearing:
         call_id: the call, as the log names it.
     """
 
-    def __init__(self, heard: Callable[[bytes], None], end: Callable[[str], None], call_id: str) -> None:
+    def __init__(
+        self,
+        heard: Callable[[bytes], None],
+        end: Callable[[str], None],
+        call_id: str,
+        before_gap: Callable[[], None] = lambda: None,
+    ) -> None:
         self._heard = heard
         self._end = end
         self._call_id = call_id
+        #: Reads what waits on the call's sockets (read on a clock: :mod:`~s2s_rt.server.call_sockets`), before
+        #: a gap in its packets is heard as silence.
+        self._before_gap = before_gap
         self._stopped = threading.Event()
         self._codec: str | None = None
         self._decode: Callable[[Any], bytes] = lambda encoded: b""
@@ -295,6 +304,10 @@ class Hearing:
 
     def _check_gap(self) -> None:
         """No packet for :data:`GAP_S`: the caller's time since, up to :data:`GAP_MARGIN_S` ago, is heard as silence."""
+        if not self._stopped.is_set() and self._heard_to is not None and time.monotonic() - self._came >= GAP_S:
+            # A packet waiting on the call's socket is no gap: read first. What it hears comes through put(),
+            # which schedules no check of its own while this one's handle is still set.
+            self._before_gap()
         self._gap = None
         if self._stopped.is_set() or self._heard_to is None:
             return
@@ -390,12 +403,18 @@ def _undecodable(call_id: str, codec: str, why: str) -> None:
     log.warning("call %s: a %s packet did not decode (%s); skipped", call_id, codec, why)
 
 
-def hear_on_the_loop(receiver: Any, heard: Callable[[bytes], None], end: Callable[[str], None], call_id: str) -> bool:
+def hear_on_the_loop(
+    receiver: Any,
+    heard: Callable[[bytes], None],
+    end: Callable[[str], None],
+    call_id: str,
+    before_gap: Callable[[], None] = lambda: None,
+) -> bool:
     """Make ``receiver`` decode on the loop and hand each frame to ``heard`` (:class:`Hearing`), before it
     starts; False where aiortc no longer allows it (its track then delivers the frames, as aiortc's own)."""
     if not internals.decoder_queue_replaceable(receiver):
         return False
-    setattr(receiver, internals.DECODER_QUEUE, Hearing(heard, end, call_id))
+    setattr(receiver, internals.DECODER_QUEUE, Hearing(heard, end, call_id, before_gap))
     return True
 
 
