@@ -187,7 +187,7 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     media_ports: str | None = None
     #: WebRTC calls' UDP sockets are read together this often (a wake-up of the loop for every call, not one
     #: for each datagram: a caller sends one every 20 ms); 0: each datagram as it comes.
-    media_poll_ms: float = 20.0
+    media_poll_ms: float = 10.0
     #: A call whose data channel has not opened this long after its offer (ICE never completed) ends.
     call_timeout_s: float = 15.0
     #: Phone calls over SIP (UDP and TCP) on this port; None: off. A PBX or trunk sends its INVITEs here.

@@ -121,6 +121,10 @@ def test_bad_config_names_the_problem(tmp_path: Path) -> None:
     for bad in ("0", "-1", "nan"):
         with pytest.raises(ConfigError, match="max_listening_load"):
             load_config(None, environ={"S2S_RT_MAX_LISTENING_LOAD": bad})
+    for bad in ("-1", "41", "nan"):
+        with pytest.raises(ConfigError, match="media_poll_ms"):
+            load_config(None, environ={"S2S_RT_MEDIA_POLL_MS": bad})
+    assert load_config(None, environ={"S2S_RT_MEDIA_POLL_MS": "0"}).media_poll_ms == 0  # each as it comes
 
 
 def test_cli_serve_fake_stack_starts_answers_and_exits_cleanly_on_sigterm(tmp_path: Path) -> None:

@@ -102,9 +102,12 @@ async def spoken_turn(call: CallClient) -> tuple[float, dict[str, Any]]:
     return spoken_until, done
 
 
-def test_a_spoken_turn_over_webrtc_arrives_as_events_on_the_data_channel_and_audio_on_the_track() -> None:
+@pytest.mark.parametrize("media_poll_ms", [10.0, 0.0], ids=["sockets-read-together", "each-datagram-as-it-comes"])
+def test_a_spoken_turn_over_webrtc_arrives_as_events_on_the_data_channel_and_audio_on_the_track(
+    media_poll_ms: float,
+) -> None:
     async def scenario() -> None:
-        async with live_server() as server:
+        async with live_server(media_poll_ms=media_poll_ms) as server:
             call = await CallClient.open(base_url(server), "unused")
             try:
                 assert call.call_id and call.call_id.startswith("rtc_")
@@ -132,6 +135,8 @@ def test_a_spoken_turn_over_webrtc_arrives_as_events_on_the_data_channel_and_aud
                 print(
                     f"\nWebRTC, fake stack: end of speech -> first audio heard {1000 * (first - spoken_until):.0f} ms"
                 )
+                # Set up, the call's sockets are read on the process's clock (or as each datagram comes: 0).
+                assert (server.calls.sockets.polled > 0) == bool(media_poll_ms)
                 conformant(call)
             finally:
                 await call.close()

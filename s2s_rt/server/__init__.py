@@ -16,6 +16,8 @@
   and the caller's packets decoded on the loop.
 - :mod:`~s2s_rt.server.webrtc_rtp`: a call's audio packets from the datagram to the hearing, without aiortc's
   path for each.
+- :mod:`~s2s_rt.server.call_sockets`: the calls' UDP sockets: bound within ``media_ports``, read together on a
+  clock once each call is set up.
 - :mod:`~s2s_rt.server.playout`: what a call plays, frame by frame, and what of it was heard (WebRTC and SIP).
 - :mod:`~s2s_rt.server.sip`: phone calls over SIP, from the INVITE to the BYE, admitted as WebSockets are.
 - :mod:`~s2s_rt.server.phone`: one phone call: its SIP dialog, its G.711 RTP both ways.

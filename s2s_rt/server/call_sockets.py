@@ -19,12 +19,14 @@ either the port or the reading. The loop's method is wrapped
   as each datagram comes; once set up (:meth:`CallSockets.settle`), every
   ``media_poll_ms`` with every other call's (:meth:`CallSockets.run`): one
   wake-up and one ``select`` for all of them, and each call's packets heard
-  in a run. At 40 such calls on the fake stack the event loop took 0.118 of
-  a core read so each 20 ms, against 0.187 read as each came
-  (BENCHMARKS.md). A caller's packet, or an event on its channel, waits at
-  most that long. Before a caller's silence is heard for a gap in its
-  packets, its sockets are read at once (:meth:`CallSockets.read`), so that
-  a packet waiting there is not taken for a gap.
+  in a run. At 40 such calls on the fake stack the event loop took
+  0.142-0.156 of a core read so each 10 or 20 ms, against 0.191-0.219 read
+  as each came (BENCHMARKS.md). A caller's packet, or an event on its
+  channel, waits at most that long (the listening clock's 10 ms tick
+  batches what is heard besides). Before a caller's silence is heard for a
+  gap in its packets, its sockets are read at once
+  (:meth:`CallSockets.read`), so that a packet waiting there is not taken
+  for a gap.
 
 Each socket's datagrams are its call's: one whose handling raises is
 closed, and aioice ends that call's connection (the call ends alone); a
@@ -59,11 +61,13 @@ class PolledTransport(asyncio.DatagramTransport):
     """An aioice socket's transport: read by :class:`CallSockets` as each datagram comes while its call is set
     up, then on the process's clock (:attr:`polled`)."""
 
-    def __init__(self, sock: socket.socket, protocol: asyncio.DatagramProtocol, owner: CallSockets) -> None:
+    def __init__(self, sock: socket.socket, protocol: StunProtocol, owner: CallSockets) -> None:
         super().__init__()
         self.loop = asyncio.get_running_loop()
         self._sock = sock
         self._protocol = protocol
+        #: The aioice ``Connection`` (its call's) that the protocol hands each datagram to.
+        self.connection = protocol.receiver
         self._owner = owner
         self._closing = False
         self._address = sock.getsockname()
@@ -197,7 +201,7 @@ class CallSockets:
             sock.close()
             raise
         transport = PolledTransport(sock, protocol, self)
-        self._of.setdefault(protocol.receiver, []).append(transport)
+        self._of.setdefault(transport.connection, []).append(transport)
         protocol.connection_made(transport)
         transport.loop.add_reader(sock, self._read, transport)  # as each comes, until settled
         return transport, protocol
@@ -222,11 +226,11 @@ class CallSockets:
             self._selector.unregister(sock)
         elif not transport.loop.is_closed():
             transport.loop.remove_reader(sock)
-        for connection, transports in list(self._of.items()):
-            if transport in transports:
-                transports.remove(transport)
-                if not transports:
-                    del self._of[connection]
+        transports = self._of.get(transport.connection, [])
+        if transport in transports:
+            transports.remove(transport)
+            if not transports:
+                del self._of[transport.connection]
         if not self._selector.get_map():
             self._some.clear()
 
