@@ -60,6 +60,20 @@ async def bound(connection: Any, broken: bool = False) -> tuple[Any, Recorder]:
     return await loop.create_datagram_endpoint(lambda: Recorder(connection, broken), local_addr=("127.0.0.1", 0))
 
 
+async def two_calls(
+    sockets: CallSockets, *, first_broken: bool = False, set_up: bool = True
+) -> list[tuple[Connection, Any, Recorder]]:
+    """Two calls' sockets, bound as aioice binds them, and set up (read on the clock) unless ``set_up`` is not."""
+    calls = []
+    for broken in (first_broken, False):
+        call = Connection()
+        transport, protocol = await bound(call, broken)
+        if set_up:
+            sockets.settle(call)
+        calls.append((call, transport, protocol))
+    return calls
+
+
 async def sent_apart(transport: Any, count: int, every_s: float) -> list[float]:
     """``count`` datagrams sent to ``transport``'s socket ``every_s`` apart (each its index); when each went."""
     out = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -112,11 +126,7 @@ def test_a_set_up_calls_datagrams_are_handed_over_in_passes_each_poll_and_before
 def test_a_flooding_socket_is_read_a_bounded_share_each_pass_and_the_others_every_pass() -> None:
     async def scenario() -> None:
         async with reading(0.2) as sockets:
-            flooding_call, calm_call = Connection(), Connection()
-            flooded, flood = await bound(flooding_call)
-            calm, quiet = await bound(calm_call)
-            sockets.settle(flooding_call)
-            sockets.settle(calm_call)
+            (_, flooded, flood), (_, calm, quiet) = await two_calls(sockets)
             out = sender()
             for i in range(5 * MAX_READ):
                 out.sendto(b"f%d" % i, flooded.get_extra_info("sockname"))
@@ -137,12 +147,9 @@ def test_a_flooding_socket_is_read_a_bounded_share_each_pass_and_the_others_ever
 def test_a_socket_whose_handling_fails_is_closed_alone_and_the_reading_goes_on(set_up: bool) -> None:
     async def scenario() -> None:
         async with reading(0.02) as sockets:
-            failing_call, calm_call = Connection(), Connection()
-            failing, _ = await bound(failing_call, broken=True)
-            calm, quiet = await bound(calm_call)
-            if set_up:
-                sockets.settle(failing_call)
-                sockets.settle(calm_call)
+            (failing_call, failing, _), (calm_call, calm, quiet) = await two_calls(
+                sockets, first_broken=True, set_up=set_up
+            )
             out = sender()
             out.sendto(b"x", failing.get_extra_info("sockname"))
             await until(lambda: failing.is_closing() and failing_call.lost, timeout=2)
@@ -161,11 +168,7 @@ def test_a_socket_whose_handling_fails_is_closed_alone_and_the_reading_goes_on(s
 def test_a_connections_sockets_are_read_at_once_when_asked() -> None:
     async def scenario() -> None:
         async with reading(0.5) as sockets:
-            call, other_call = Connection(), Connection()
-            transport, protocol = await bound(call)
-            other, other_protocol = await bound(other_call)
-            sockets.settle(call)
-            sockets.settle(other_call)
+            (call, transport, protocol), (_, other, other_protocol) = await two_calls(sockets)
             out = sender()
             out.sendto(b"waiting", transport.get_extra_info("sockname"))
             out.sendto(b"waiting too", other.get_extra_info("sockname"))
