@@ -1,7 +1,7 @@
 """Supervision of the process-wide tasks: a crash is logged and restarted, and never hangs the process.
 
-Like an OTP supervisor: the listening clock, the slots' stage loops and the
-loop-lag ticker each run under :func:`supervise`. A task that raises is
+Like an OTP supervisor: the listening clock, the slots' stage loops, the
+loop-lag ticker and the calls' sockets each run under :func:`supervise`. A task that raises is
 logged with its traceback and started again after a short pause; one that
 keeps failing (``limit`` times within ``within_s``) cannot be trusted, so
 :class:`SupervisionFailed` goes up and the server shuts down, the process

@@ -12,7 +12,7 @@ from typing import Any
 
 import aioice.ice
 import pytest
-from conftest import run
+from conftest import http_get, live_server, run
 
 from s2s_rt.server.call_sockets import MAX_READ, CallSockets, PolledTransport
 
@@ -212,5 +212,39 @@ def test_only_aioices_host_sockets_are_polled_and_the_loop_gets_its_own_method_b
         unpolled, _ = await bound(Connection())
         assert not isinstance(unpolled, PolledTransport)
         unpolled.close()
+
+    run(scenario())
+
+
+def test_the_sockets_task_crashing_is_restarted_and_reads_the_set_up_calls_on_its_clock_again() -> None:
+    """The task is the process's, supervised: a crash is logged and restarted, the calls set up meanwhile are
+    read as their datagrams come, and on the clock again once it runs."""
+
+    async def scenario() -> None:
+        async with live_server() as server:
+            sockets = server.calls.sockets
+            select = sockets._selector.select
+            crashed: list[float] = []
+
+            def crashing_once(timeout: float | None = None) -> Any:
+                if not crashed:
+                    crashed.append(time.monotonic())
+                    raise OSError("a select that fails once")
+                return select(timeout)
+
+            sockets._selector.select = crashing_once  # type: ignore[method-assign]
+            call = Connection()
+            transport, protocol = await bound(call)
+            sockets.settle(call)
+            assert sockets.polled == 1
+            await sent_apart(transport, 1, 0)
+            await until(lambda: bool(crashed) and len(protocol.got) == 1, timeout=5)
+            await until(lambda: sockets.polled == 1, timeout=5)  # restarted, it reads it on its clock again
+            passes = sockets.passes
+            await sent_apart(transport, 1, 0)
+            await until(lambda: len(protocol.got) == 2 and sockets.passes > passes, timeout=5)
+            metrics = (await http_get(server, "/metrics"))[1]
+            assert 's2s_errors_total{code="task_restarted"} 1' in metrics, metrics
+            transport.close()
 
     run(scenario())

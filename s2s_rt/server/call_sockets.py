@@ -71,7 +71,9 @@ class PolledTransport(asyncio.DatagramTransport):
         self._owner = owner
         self._closing = False
         self._address = sock.getsockname()
-        #: Read on the process's clock (its call is set up), not as each datagram comes.
+        #: Its call is set up (:meth:`CallSockets.settle`), and it is read on the process's clock now (not as
+        #: each datagram comes: while the call is set up, and while the clock's task is not running).
+        self.settled = False
         self.polled = False
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
@@ -207,15 +209,21 @@ class CallSockets:
         return transport, protocol
 
     def settle(self, connection: Any) -> None:
-        """``connection``'s call is set up: its sockets are read on the clock from now on (while it runs)."""
-        if not self._running:
-            return
+        """``connection``'s call is set up: its sockets are read on the clock from now on (while this runs)."""
         for transport in self._of.get(connection, ()):
-            if not transport.polled and not transport.is_closing():
-                sock = transport.get_extra_info("socket")
-                transport.loop.remove_reader(sock)
-                self._selector.register(sock, selectors.EVENT_READ, transport)
-                transport.polled = True
+            transport.settled = True
+        self._poll_settled()
+
+    def _poll_settled(self) -> None:
+        if not self._running:
+            return  # read as their datagrams come until the task (re)starts
+        for transports in self._of.values():
+            for transport in transports:
+                if transport.settled and not transport.polled and not transport.is_closing():
+                    sock = transport.get_extra_info("socket")
+                    transport.loop.remove_reader(sock)
+                    self._selector.register(sock, selectors.EVENT_READ, transport)
+                    transport.polled = True
         if self._selector.get_map():
             self._some.set()
 
@@ -255,6 +263,7 @@ class CallSockets:
             if self.poll_s <= 0:
                 await asyncio.Event().wait()  # the loop's own transports read each datagram as it comes
             self._running = True
+            self._poll_settled()  # those set up before it started, or while it was being restarted
             while True:
                 await self._some.wait()
                 await asyncio.sleep(self.poll_s)
