@@ -100,6 +100,8 @@ class Call:
         self.id = call_id
         #: The process's call sockets, which read this call's (None: the loop reads them as datagrams come).
         self._sockets = sockets
+        #: Its aioice connections, once it is set up and its sockets are read on the clock (:meth:`_set_up`).
+        self._settled: list[Any] = []
         #: The caller's media datagrams past this budget are dropped before aiortc reads them.
         self._media = PacketBudget(f"call {call_id}", dropped, weakly(self.end))
         self.pc = RTCPeerConnection(configuration)
@@ -208,10 +210,9 @@ class Call:
         return transports
 
     def _read_media(self) -> None:
-        """Read what waits on the call's sockets now (the process reads them on a clock: :attr:`_sockets`)."""
-        if self._sockets is not None:
-            for ice in self._ice_transports():
-                self._sockets.read(internals.ice_connection(ice))
+        """Read what waits on the call's sockets now (the process reads them on a clock once it is set up)."""
+        for connection in self._settled:
+            self._sockets.read(connection)  # type: ignore[union-attr]  # settled only where there are sockets
 
     def end(self, why: str) -> None:
         """The call is over: nothing more is sent or heard; the peer connection closes in the background."""
@@ -271,8 +272,9 @@ class Call:
         from now on, where each datagram of the setup's round trips was read as it came."""
         self.opened.set()
         if self._sockets is not None:
-            for ice in self._ice_transports():
-                self._sockets.settle(internals.ice_connection(ice))
+            self._settled = [internals.ice_connection(ice) for ice in self._ice_transports()]
+            for connection in self._settled:
+                self._sockets.settle(connection)
 
     def _message(self, data: str | bytes) -> None:
         if self.gone.is_set():
