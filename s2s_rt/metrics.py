@@ -157,7 +157,8 @@ class Metrics:
             "s2s_turn_waterfall_seconds",
             "From the user's last word to each step of the answer (completed turns that ended by voice activity):"
             " silence (the turn's end decided), speculated (transcription begun in the silence), transcribed,"
-            " prompt_read (first token), first_clause (its last token), synthesised (its speech ready),"
+            " boarded (the answer took its place in a call into the model), prompt_read (first token),"
+            " first_clause (its last token), synthesised (its speech ready),"
             " audio_sent (first audio delta written), done (response.done written).",
         )
         self.turn_latency = Histogram(

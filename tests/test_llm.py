@@ -115,12 +115,17 @@ def test_what_each_message_costs_adds_up_to_the_prompt_it_makes(default_llm: CT2
 def test_usage_counts_prompt_before_the_first_piece_and_every_answer_token(default_llm: CT2ChatLLM) -> None:
     usage = LLMUsage()
     seen_input_tokens = []
+    asked = time.perf_counter()
+    first_piece = None
     for _piece in default_llm.stream(
         LLMRequest.of(QUESTION, max_tokens=48, temperature=0), should_stop=_never, usage=usage
     ):
+        first_piece = first_piece or time.perf_counter()
         seen_input_tokens.append(usage.input_tokens)
     assert seen_input_tokens[0] == default_llm.count_tokens(QUESTION) > 10
     assert 0 < usage.output_tokens < 48
+    # When it took its place in a call: after it was asked, before its first piece (its prompt read between).
+    assert usage.boarded is not None and first_piece is not None and asked < usage.boarded < first_piece
 
 
 def test_max_tokens_bounds_the_answer(default_llm: CT2ChatLLM) -> None:

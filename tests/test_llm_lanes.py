@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from s2s_rt.engines.base import LLMUsage
 from s2s_rt.engines.llm_lanes import Lanes
 from s2s_rt.engines.llm_turns import AnswerTurn, Turns
 
@@ -174,6 +175,7 @@ def _answer(
     max_length: int = 10,
     static_prompt: list[str] | None = None,
     should_stop: Callable[[], bool] = _never,
+    usage: LLMUsage | None = None,
 ) -> threading.Thread:
     """An answer to a prompt of ``words`` tokens read on a thread: its tokens (or what it raised) in ``got``."""
 
@@ -190,6 +192,7 @@ def _answer(
                 callback=callback or (lambda step, closed, beside: False),
                 max_length=max_length,
                 static_prompt=static_prompt,
+                usage=usage,
                 sampling_topk=1,
             ):
                 tokens.append(step.token_id)
@@ -363,3 +366,21 @@ def test_an_answer_being_heard_gives_way_only_to_answers_waiting_for_their_first
     assert heard.after_token(step, closed, 0)  # it waits for the model: give way
     waiting.close()
     assert not heard.after_token(step, closed, 0)
+
+
+def test_an_answer_says_when_it_took_its_place_in_a_call_and_keeps_that_time_when_read_again() -> None:
+    lanes, generator, got, usage = Lanes(), _Generator(), {}, LLMUsage()
+    holder, release = _held(lanes)
+    reader = _answer(lanes, generator, 2, got, usage=usage)
+    _until(lambda: lanes.waiting(False) == 1)
+    time.sleep(0.05)
+    assert usage.boarded is None  # still waiting for the lane
+    freed = time.perf_counter()
+    release.set()
+    for thread in (holder, reader):
+        thread.join(5)
+    assert got[2] == [200 + n for n in range(5)]
+    assert usage.boarded is not None and freed < usage.boarded < time.perf_counter()
+    first = usage.boarded
+    _answer(lanes, generator, 3, got, usage=usage).join(5)  # resumed after giving way: the same answer
+    assert usage.boarded == first

@@ -38,7 +38,8 @@ def test_session_and_turn_lines_with_latency_and_no_content_unless_asked(
     [turn] = [line for line in lines if line.get("event") == "turn"]
     assert turn["status"] == "completed"
     assert turn["from"] == "response.create"
-    steps = [turn[f"{step}_ms"] for step in ("prompt_read", "first_clause", "synthesised", "audio_sent", "done")]
+    order = ("boarded", "prompt_read", "first_clause", "synthesised", "audio_sent", "done")
+    steps = [turn[f"{step}_ms"] for step in order]
     assert steps == sorted(steps) and steps[0] >= 0
     [end] = [line for line in lines if line.get("event") == "session_end"]
     assert end["turns"] == 1 and end["reason"] == "client closed" and end["duration_s"] > 0
@@ -68,7 +69,7 @@ def test_a_spoken_turn_logs_its_waterfall_from_the_last_word(caplog: pytest.LogC
     assert turn["ahead"] == int(ahead)
     # server_vad waits 500 ms of silence (real time here), then the turn ends.
     assert 450 <= turn["silence_ms"] <= 900
-    order = ["transcribed", "prompt_read", "first_clause", "synthesised", "audio_sent", "done"]
+    order = ["transcribed", "boarded", "prompt_read", "first_clause", "synthesised", "audio_sent", "done"]
     if ahead:  # transcribed after 100 ms of silence and answered in the rest of it: begun before the turn's end
         order.insert(0, "speculated")
         assert 90 <= turn["speculated_ms"] < turn["prompt_read_ms"] < turn["silence_ms"]

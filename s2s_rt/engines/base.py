@@ -154,6 +154,9 @@ class LLMUsage:
     output_tokens: int = 0
     #: Of the input tokens, those whose model state was kept from before (not read again).
     cached_tokens: int = 0
+    #: ``perf_counter()`` when the answer first took its place in a call into the model (after its wait for a
+    #: free one): the turn log's ``boarded`` step. None where the engine does not say (a remote LLM).
+    boarded: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -125,6 +125,7 @@ class EchoLLM:
         messages, max_tokens, tools = request.messages, request.max_tokens, request.tools
         user = next((m.shown_without_images() for m in reversed(messages) if m.role == "user"), "")
         usage.input_tokens = sum(len(m.content.split()) for m in messages)
+        usage.boarded = time.perf_counter()  # the fake model is never busy: an answer takes it at once
         delay_s, block_s, fail = self.token_delay_ms / 1000, 0.0, False
         for kind, arg in _CONTROL.findall(user):
             if kind == "slow":

@@ -304,6 +304,7 @@ class CT2ChatLLM:
                     callback=place.after_token,
                     max_length=max_tokens - len(said),
                     static_prompt=static_tokens,
+                    usage=usage,
                     sampling_topk=1 if greedy else SAMPLING_TOP_K,
                     sampling_topp=1.0 if greedy else SAMPLING_TOP_P,
                     sampling_temperature=1.0 if greedy else temperature,
@@ -485,11 +486,9 @@ _LOADED: weakref.WeakSet[CT2ChatLLM] = weakref.WeakSet()
 
 @atexit.register
 def _close_engines_at_exit() -> None:
-    # CTranslate2 streams tokens through Python callbacks held by its worker
-    # threads; a Generator still alive when the interpreter finalises aborts
-    # the process now and then ("terminate called without an active
-    # exception", exit status 134: 3 to 10 exits in 30 on a busy 2-core
-    # machine). Destroyed here, while the interpreter is whole, it never did.
+    # CTranslate2 streams tokens through Python callbacks held by its worker threads; a Generator still alive
+    # when the interpreter finalises aborts the process now and then ("terminate called without an active
+    # exception", exit status 134: 3 to 10 exits in 30 on a busy 2-core machine). Destroyed here, it never did.
     for engine in list(_LOADED):
         engine.close()
 

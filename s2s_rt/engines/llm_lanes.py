@@ -29,12 +29,13 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Generator, Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from s2s_rt.engines.base import StopCheck
+from s2s_rt.engines.base import LLMUsage, StopCheck
 
 #: A reading of at least this many tokens (past the kept state) takes the long lane. Reading costs about
 #: 1.4 ms a token on the 2-core Xeon (0.7 s for this many) and about 30 ms on a 2-core AMD EPYC without
@@ -78,6 +79,8 @@ class _Ride:
     passed_over: int = 0
     #: Prompt tokens, kept state included.
     tokens: int = 0
+    #: ``perf_counter()`` when it took its place in a call.
+    boarded: float = 0.0
 
 
 class Lanes:
@@ -155,6 +158,7 @@ class Lanes:
         callback: StepCallback,
         max_length: int,
         static_prompt: list[str] | None,
+        usage: LLMUsage | None = None,
         **options: Any,
     ) -> Generator[Any, None, None]:
         """The tokens of the answer after ``prompt``, decoded in a call of the lane, perhaps beside others.
@@ -169,7 +173,8 @@ class Lanes:
         ``callback`` sees it; True from it, the answer's last token, or
         closing this generator (which waits for the answer's next token)
         ends this answer's decoding alone. The call holds the lane until
-        every answer in it has ended.
+        every answer in it has ended. ``usage.boarded`` (if not set yet) becomes when this answer took its
+        place in a call.
         """
         key = (id(generator), tuple(static_prompt) if static_prompt else None, _frozen(options))
         ride = _Ride(prompt, max_length, callback, key, urgent, tokens=len(prompt) + len(static_prompt or ()))
@@ -194,6 +199,8 @@ class Lanes:
                 self._changed.notify_all()  # the next in line may be first now
         if not ride.aboard:
             return
+        if usage is not None and usage.boarded is None:
+            usage.boarded = ride.boarded
         try:
             while (step := ride.steps.get()) is not None:
                 if isinstance(step, Exception):
@@ -217,8 +224,9 @@ class Lanes:
             tokens += ride.tokens
         for ride in alike:
             ride.passed_over += ride not in board
+        now = time.perf_counter()
         for ride in board:
-            ride.aboard = True
+            ride.aboard, ride.boarded = True, now
             self._waiting[long].remove(ride)
         self._running[long] += 1
         self.long_readings += long

@@ -159,7 +159,7 @@ class Responder(Stage[SessionContext, ResponseRequest]):
                         if not piece:
                             continue  # the engine is alive (it chose a function), nothing said yet
                         if timing is not None and timing.prompt_read is None:
-                            timing.prompt_read = time.perf_counter()
+                            timing.prompt_read, timing.boarded = time.perf_counter(), usage.boarded
                         for part in splitter.feed(piece):
                             spoke |= await self._say(r, part, clauses, calls, ahead, timing, usage)
                 for part in splitter.flush():

@@ -135,6 +135,7 @@ WATERFALL_STEPS = (
     "silence",  # the turn's end was decided (speech_stopped): the silence waited
     "speculated",  # the words so far began to be transcribed, in that silence
     "transcribed",  # the transcript was ready
+    "boarded",  # the answer took its place in a call into the model (the model was free, or freed)
     "prompt_read",  # the model's first token: its prompt was read
     "first_clause",  # the first clause's last token: the first words to speak are complete
     "synthesised",  # the first clause's speech was ready
@@ -158,6 +159,7 @@ class TurnTiming:
     speculated: float | None = None
     transcribed: float | None = None
     created: float = field(default_factory=time.perf_counter)
+    boarded: float | None = None
     prompt_read: float | None = None
     first_clause: float | None = None
     #: Tokens the model wrote up to the end of the first clause.
@@ -187,6 +189,7 @@ class TurnTiming:
         marks |= {step: getattr(self, step) for step in WATERFALL_STEPS[1:]}
         ahead = self.ahead
         if ahead is not None:
+            marks["boarded"] = ahead.usage.boarded
             marks["prompt_read"] = ahead.first_token
             marks["first_clause"] = ahead.first_clause_at or self.first_clause
         return {step: t - origin for step, t in marks.items() if t is not None}
