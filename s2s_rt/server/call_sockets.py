@@ -42,7 +42,7 @@ import logging
 import random
 import selectors
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, cast
 
 from aioice.ice import StunProtocol
@@ -210,20 +210,21 @@ class CallSockets:
 
     def settle(self, connection: Any) -> None:
         """``connection``'s call is set up: its sockets are read on the clock from now on (while this runs)."""
-        for transport in self._of.get(connection, ()):
+        transports = self._of.get(connection, ())
+        for transport in transports:
             transport.settled = True
-        self._poll_settled()
+        self._poll_settled(transports)
 
-    def _poll_settled(self) -> None:
+    def _poll_settled(self, transports: Iterable[PolledTransport]) -> None:
+        """Read ``transports`` that are settled on the clock from now on (if this runs)."""
         if not self._running:
             return  # read as their datagrams come until the task (re)starts
-        for transports in self._of.values():
-            for transport in transports:
-                if transport.settled and not transport.polled and not transport.is_closing():
-                    sock = transport.get_extra_info("socket")
-                    transport.loop.remove_reader(sock)
-                    self._selector.register(sock, selectors.EVENT_READ, transport)
-                    transport.polled = True
+        for transport in transports:
+            if transport.settled and not transport.polled and not transport.is_closing():
+                sock = transport.get_extra_info("socket")
+                transport.loop.remove_reader(sock)
+                self._selector.register(sock, selectors.EVENT_READ, transport)
+                transport.polled = True
         if self._selector.get_map():
             self._some.set()
 
@@ -263,7 +264,8 @@ class CallSockets:
             if self.poll_s <= 0:
                 await asyncio.Event().wait()  # the loop's own transports read each datagram as it comes
             self._running = True
-            self._poll_settled()  # those set up before it started, or while it was being restarted
+            # Those set up before it started, or while it was being restarted.
+            self._poll_settled([t for transports in self._of.values() for t in transports])
             while True:
                 await self._some.wait()
                 await asyncio.sleep(self.poll_s)

@@ -211,8 +211,9 @@ class Call:
 
     def _read_media(self) -> None:
         """Read what waits on the call's sockets now (the process reads them on a clock once it is set up)."""
-        for connection in self._settled:
-            self._sockets.read(connection)  # type: ignore[union-attr]  # settled only where there are sockets
+        if self._sockets is not None:
+            for connection in self._settled:
+                self._sockets.read(connection)
 
     def end(self, why: str) -> None:
         """The call is over: nothing more is sent or heard; the peer connection closes in the background."""
